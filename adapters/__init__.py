@@ -1,0 +1,5 @@
+"""Thin adapters that plug slamb_comm into training frameworks (installed as ``slamb_comm.adapters``).
+
+Each adapter imports its framework only when imported itself, so ``import slamb_comm``
+stays free of torch and horovod.
+"""

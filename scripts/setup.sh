@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One idempotent set-up step for slamb_comm on a fresh Debian machine with Python 3.11:
+# Open MPI, torch==2.13.0 (CPU wheel), mpi4py, Horovod 0.28.1 built from its sdist with
+# PyTorch + MPI + Gloo, and this package in editable mode with its extras.
+# A second run skips every step that is already done. Any failure stops the script and
+# names the step that failed.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+TORCH_VERSION=2.13.0
+HOROVOD_VERSION=0.28.1
+STEP=""
+
+step() { STEP="$1"; echo "[setup] $1"; }
+trap 'echo "[setup] FAILED during: ${STEP}" >&2' ERR
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+step "Open MPI (Debian packages openmpi-bin, libopenmpi-dev)"
+if command -v mpirun >/dev/null && [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h -o -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ]; then
+  echo "[setup]   already installed: $(mpirun --version 2>/dev/null | head -n1)"
+else
+  as_root apt-get update -q
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev
+fi
+
+step "torch==${TORCH_VERSION} (CPU wheel)"
+if "$PY" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='${TORCH_VERSION}' else 1)" 2>/dev/null; then
+  echo "[setup]   already installed"
+else
+  "$PY" -m pip install -q "torch==${TORCH_VERSION}"
+fi
+
+step "build and runtime Python packages (numpy, mpi4py, pytest, pytest-mpi, hypothesis, ...)"
+"$PY" -m pip install -q --disable-pip-version-check numpy mpi4py pytest pytest-mpi pytest-timeout hypothesis \
+  cloudpickle psutil pyyaml packaging cffi wheel setuptools matplotlib scikit-learn tqdm
+
+step "horovod==${HOROVOD_VERSION} with PyTorch, MPI and Gloo"
+if "$PY" - <<PYEOF 2>/dev/null
+import sys, horovod, horovod.torch as hvd
+ok = horovod.__version__ == "${HOROVOD_VERSION}" and hvd.mpi_built() and hvd.gloo_built()
+sys.exit(0 if ok else 1)
+PYEOF
+then
+  echo "[setup]   already built"
+else
+  BUILD="$(mktemp -d)"
+  ( cd "$BUILD"
+    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==${HOROVOD_VERSION}"
+    tar xzf "horovod-${HOROVOD_VERSION}.tar.gz"
+    cd "horovod-${HOROVOD_VERSION}"
+    # PyTorch >= 2.1 needs C++17; the 0.28.1 release still asks for C++14 (fixed upstream later).
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' CMakeLists.txt horovod/torch/CMakeLists.txt
+    grep -q 'CMAKE_CXX_STANDARD 17' horovod/torch/CMakeLists.txt
+    echo "[setup]   compiling Horovod (about 4 minutes on 2 cores)"
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+      HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+      "$PY" -m pip install -q --no-build-isolation --no-deps --no-cache-dir . )
+  rm -rf "$BUILD"
+  "$PY" -c "import horovod.torch as hvd; assert hvd.mpi_built() and hvd.gloo_built()"
+fi
+
+step "slamb_comm (editable, extras test + horovod)"
+if "$PY" -c "import slamb_comm, slamb_comm.adapters" 2>/dev/null && \
+   [ "$("$PY" -c 'import slamb_comm,os;print(os.path.dirname(os.path.dirname(slamb_comm.__file__)))')" = "$HERE" ]; then
+  echo "[setup]   already installed from $HERE"
+else
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "${HERE}[test,horovod]"
+fi
+STEP=""
+echo "[setup] done"

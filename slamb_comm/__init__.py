@@ -1,0 +1,57 @@
+"""slamb_comm: sparse communication for data-parallel training.
+
+The core works on NumPy (CPU) and CuPy (GPU) arrays over MPI (mpi4py), NCCL, or a
+single process, and imports neither torch nor horovod:
+
+>>> import numpy as np, slamb_comm as sc
+>>> x = [np.ones((64, 200), np.float32), np.zeros(10, np.float32)]
+>>> comm = sc.Communicator(None, x, ratio=0.1)     # None: one process
+>>> _ = comm.sync(x)                                  # dense mean over ranks, in place
+>>> mean = comm.sparse_allgather(x)                  # top-k + error feedback
+>>> comm.stats.total.calls
+2
+
+See :class:`Communicator` for the exchanges, :mod:`slamb_comm.codecs` for the codecs
+and masks, :mod:`slamb_comm.transports` for the transports.
+"""
+
+from .codecs import BernoulliMask, CyclicMask, Layout, TopKUnionMask, k_elems, topk_indices
+from .communicator import Communicator
+from .errors import (
+    ConfigError,
+    DTypeError,
+    LayoutError,
+    LayoutMismatchError,
+    NonContiguousError,
+    NonFiniteError,
+    PeerError,
+    SlambCommError,
+)
+from .stats import Stats, Traffic
+from .transports import LocalTransport, MPITransport, NCCLTransport, Transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "Layout",
+    "CyclicMask",
+    "BernoulliMask",
+    "TopKUnionMask",
+    "k_elems",
+    "topk_indices",
+    "Transport",
+    "MPITransport",
+    "NCCLTransport",
+    "LocalTransport",
+    "Stats",
+    "Traffic",
+    "SlambCommError",
+    "ConfigError",
+    "DTypeError",
+    "LayoutError",
+    "LayoutMismatchError",
+    "NonContiguousError",
+    "NonFiniteError",
+    "PeerError",
+]

@@ -1,0 +1,314 @@
+"""Codecs: the fused layout, exact top-k, shared random masks, and the wire layout.
+
+Everything here is pure array code (NumPy or CuPy), with no communication: the
+communicator strings these together with a transport.
+
+* :class:`Layout`: many tensors viewed as one contiguous fused buffer, with the
+  always-dense rule of ALGORITHM.md section 1 (ndim <= 1 or fewer than
+  ``dense_threshold`` elements).
+* :func:`topk_indices`: exact top-k by magnitude; :func:`k_elems` the fixed count
+  ``max(1, round(ratio * n))`` per tensor, so an allgather needs no size exchange.
+* :class:`CyclicMask`, :class:`BernoulliMask`, :class:`TopKUnionMask`: the masks M_t of
+  ALGORITHM.md section 1, drawn from generators the mask owns (never a global RNG).
+* :class:`TopKWire`: one rank's top-k payload as one byte buffer
+  ``[status int32, pad int32 | indices int32 x K | values x K]``.
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+from .arrays import value_dtype
+from .errors import ConfigError, DTypeError
+
+__all__ = [
+    "DATA_DTYPES",
+    "Layout",
+    "check_ratio",
+    "k_elems",
+    "topk_indices",
+    "CyclicMask",
+    "BernoulliMask",
+    "TopKUnionMask",
+    "make_mask",
+    "TopKWire",
+]
+
+#: dtypes of the arrays slamb_comm exchanges (parameters, gradients, momenta).
+DATA_DTYPES = ("float16", "float32", "float64")
+
+
+def check_ratio(ratio):
+    """Return ``ratio`` as a float, or raise ConfigError unless it lies in (0, 1]."""
+    try:
+        r = float(ratio)
+    except (TypeError, ValueError):
+        raise ConfigError(f"ratio must be a number in (0, 1], got {ratio!r}") from None
+    if not (0.0 < r <= 1.0):
+        raise ConfigError(f"ratio must be in (0, 1], got {ratio!r}")
+    return r
+
+
+def k_elems(ratio, n):
+    """The number of elements a top-k codec sends for a tensor of ``n`` elements."""
+    if n == 0:
+        return 0
+    return max(1, min(n, int(round(ratio * n))))
+
+
+class Layout:
+    """A fixed list of tensors fused into one contiguous 1-D buffer.
+
+    Args:
+        shapes: the tensors' shapes, in exchange order.
+        dtype: the one dtype of the fused buffer (float16, float32 or float64).
+        names: optional names (default ``"0"``, ``"1"``, ...), used in error messages.
+        dense_threshold: tensors with ndim <= 1 or fewer elements than this are always
+            sent whole by masked exchanges (ALGORITHM.md section 1).
+
+    Attributes:
+        sizes, offsets: element counts and start offsets of each tensor in the buffer.
+        total: the buffer's element count.
+        dense: per tensor, whether the always-dense rule applies.
+    """
+
+    def __init__(self, shapes, dtype="float32", names=None, dense_threshold=9000):
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        dt = np.dtype(dtype)
+        if dt.name not in DATA_DTYPES:
+            raise DTypeError(f"unsupported array dtype {dt.name}; slamb_comm exchanges {', '.join(DATA_DTYPES)}")
+        self.dtype = dt
+        self.names = [str(n) for n in names] if names is not None else [str(i) for i in range(len(self.shapes))]
+        if len(self.names) != len(self.shapes):
+            raise ConfigError(f"{len(self.names)} names for {len(self.shapes)} tensors")
+        if int(dense_threshold) < 0:
+            raise ConfigError(f"dense_threshold must be >= 0, got {dense_threshold}")
+        self.dense_threshold = int(dense_threshold)
+        self.sizes = [int(math.prod(s)) for s in self.shapes]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.total = self.offsets.pop()
+        self.dense = [len(s) <= 1 or n < self.dense_threshold for s, n in zip(self.shapes, self.sizes)]
+        itype = np.int32 if self.total < 2**31 else np.int64
+        self.index_dtype = np.dtype(itype)
+        parts_dense = [np.arange(o, o + n, dtype=itype) for o, n, d in zip(self.offsets, self.sizes, self.dense) if d]
+        parts_comp = [np.arange(o, o + n, dtype=itype) for o, n, d in zip(self.offsets, self.sizes, self.dense) if not d]
+        self.dense_index = np.concatenate(parts_dense) if parts_dense else np.zeros(0, itype)
+        self.compressible_index = np.concatenate(parts_comp) if parts_comp else np.zeros(0, itype)
+
+    @classmethod
+    def from_arrays(cls, arrays, names=None, dense_threshold=9000):
+        """The layout of ``arrays`` (all of one dtype)."""
+        arrays = list(arrays)
+        dtypes = {a.dtype.name for a in arrays}
+        if len(dtypes) > 1:
+            raise DTypeError(f"arrays of one fused buffer must share a dtype; got {sorted(dtypes)}")
+        dtype = dtypes.pop() if dtypes else "float32"
+        return cls([a.shape for a in arrays], dtype, names=names, dense_threshold=dense_threshold)
+
+    def __len__(self):
+        return len(self.shapes)
+
+    def __repr__(self):
+        return f"Layout({len(self)} tensors, {self.total} elements, {self.dtype.name}, {sum(self.dense)} always dense)"
+
+    def describe(self, limit=8):
+        """A short human description: tensor names, shapes, dtype."""
+        items = [f"{n}{list(s)}" for n, s in zip(self.names[:limit], self.shapes[:limit])]
+        more = f", ... ({len(self) - limit} more)" if len(self) > limit else ""
+        return f"{len(self)} tensors of {self.dtype.name}, {self.total} elements: {', '.join(items)}{more}"
+
+    def digest(self, *extra):
+        """A 16-byte fingerprint of the layout plus ``extra`` options, for cross-rank checks."""
+        h = hashlib.sha256(repr((self.shapes, self.dtype.name, self.dense_threshold, extra)).encode())
+        return h.digest()[:16]
+
+    def views(self, flat):
+        """Per-tensor views (shaped like the tensors) into a fused 1-D buffer."""
+        return [flat[o : o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    def segments(self):
+        """``(offset, size)`` of every tensor."""
+        return list(zip(self.offsets, self.sizes))
+
+
+def topk_indices(x, k):
+    """Indices of the ``k`` entries of 1-D ``x`` with the largest magnitude (unsorted).
+
+    Exact: every kept magnitude is >= every dropped one. Ties are broken by the
+    selection algorithm (deterministically for the same input). NaN counts as the
+    largest magnitude, so a NaN is never silently dropped into a residual.
+    """
+    xp = np if isinstance(x, np.ndarray) else __import__("sys").modules["cupy"]
+    n = x.size
+    if k >= n:
+        return xp.arange(n, dtype=np.int64)
+    if k <= 0:
+        return xp.zeros(0, dtype=np.int64)
+    mag = xp.abs(x)
+    return xp.argpartition(mag, n - k)[n - k :]
+
+
+class _Mask:
+    kind = ""
+
+    def __init__(self, layout, ratio, seed):
+        self.layout = layout
+        self.ratio = check_ratio(ratio)
+        self.seed = int(seed)
+        self._device = {}
+
+    def _on(self, xp, name, host):
+        """``host`` on the device of ``xp`` (cached by name)."""
+        if xp is np:
+            return host
+        key = (xp.__name__, name)
+        if key not in self._device:
+            self._device[key] = xp.asarray(host)
+        return self._device[key]
+
+    def _with_dense(self, xp, part):
+        dense = self._on(xp, "dense", self.layout.dense_index)
+        if dense.size == 0:
+            return part
+        return xp.concatenate((dense, part))
+
+    def state_dict(self):
+        return {"kind": self.kind, "ratio": self.ratio, "seed": self.seed}
+
+
+class CyclicMask(_Mask):
+    """The paper's random-k mask: chunks of one shared random permutation, in turn.
+
+    At construction, the compressible elements' positions are permuted by a generator
+    seeded with ``seed`` (which every rank must share: the communicator broadcasts it
+    from rank 0) and cut into ``C = ceil(1 / ratio)`` chunks of near-equal size. Step
+    ``t`` (1-based) selects chunk ``(t - 1) mod C`` plus every always-dense element, so
+    each compressible element is synchronised exactly once every C steps.
+    """
+
+    kind = "cyclic"
+
+    def __init__(self, layout, ratio, seed):
+        super().__init__(layout, ratio, seed)
+        self.num_chunks = math.ceil(1.0 / self.ratio - 1e-9)
+        perm = np.random.Generator(np.random.PCG64(self.seed)).permutation(layout.compressible_index)
+        self._chunks = [np.sort(c) for c in np.array_split(perm, self.num_chunks)]
+
+    def chunk(self, step):
+        return (int(step) - 1) % self.num_chunks
+
+    def select(self, step, xp=np, flat=None, transport=None):
+        """Sorted-per-part positions in the fused buffer of M_t (dense part first)."""
+        j = self.chunk(step)
+        return self._with_dense(xp, self._on(xp, ("chunk", j), self._chunks[j]))
+
+
+class BernoulliMask(_Mask):
+    """Each compressible element is in M_t with probability ``ratio``, independently.
+
+    Drawn on the host from ``numpy.random.Generator(PCG64([seed, t]))``: the same on every
+    rank, reproducible from (seed, t) alone. Staleness is unbounded.
+    """
+
+    kind = "bernoulli"
+
+    def select(self, step, xp=np, flat=None, transport=None):
+        comp = self.layout.compressible_index
+        rng = np.random.Generator(np.random.PCG64([self.seed, int(step)]))
+        part = comp[rng.random(comp.size) < self.ratio]
+        return self._with_dense(xp, xp.asarray(part) if xp is not np else part)
+
+
+class TopKUnionMask(_Mask):
+    """Each rank picks, per compressible tensor, the ``k_elems(ratio, n)`` largest ``|flat|``;
+    M_t is the union over ranks (indices are allgathered first), plus the dense elements.
+    """
+
+    kind = "topk"
+
+    def select(self, step, xp=np, flat=None, transport=None):
+        if flat is None or transport is None:
+            raise ConfigError("the topk mask needs the data and a transport to select indices")
+        lay = self.layout
+        picks = []
+        for (o, n), dense in zip(lay.segments(), lay.dense):
+            if not dense:
+                picks.append(topk_indices(flat[o : o + n], k_elems(self.ratio, n)).astype(lay.index_dtype) + o)
+        local = xp.concatenate(picks) if picks else xp.zeros(0, lay.index_dtype)
+        everyone = xp.empty(local.size * transport.size, lay.index_dtype)
+        transport.allgather(local, everyone)
+        return self._with_dense(xp, xp.unique(everyone))
+
+
+_MASKS = {m.kind: m for m in (CyclicMask, BernoulliMask, TopKUnionMask)}
+
+
+def make_mask(kind, layout, ratio, seed):
+    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk')."""
+    if kind not in _MASKS:
+        raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
+    return _MASKS[kind](layout, ratio, seed)
+
+
+class TopKWire:
+    """The wire layout of one rank's top-k payload, and its encode/decode.
+
+    Per tensor i, ``K_i = k_elems(ratio, n_i)`` entries. One rank's payload is one byte
+    buffer: an 8-byte header (int32 status, int32 padding), the K = sum K_i local
+    indices as int32 (index within its tensor), padding to 8 bytes, then the K values
+    in ``value_dtype``. Every rank's payload has the same size, so the allgather needs
+    no size exchange.
+    """
+
+    HEADER = 8
+
+    def __init__(self, layout, ratio, value_dtype_name="float32"):
+        self.layout = layout
+        self.ratio = check_ratio(ratio)
+        self.value_dtype = value_dtype(value_dtype_name)
+        self.counts = [k_elems(self.ratio, n) for n in layout.sizes]
+        self.k_total = sum(self.counts)
+        self.idx_at = self.HEADER
+        self.val_at = self.HEADER + ((4 * self.k_total + 7) // 8) * 8
+        self.nbytes = self.val_at + self.value_dtype.itemsize * self.k_total
+
+    def empty(self, xp, ranks=1):
+        return xp.zeros(self.nbytes * ranks, dtype=np.uint8)
+
+    def parts(self, buf):
+        """``(status, indices, values)`` views of one rank's payload ``buf``."""
+        status = buf[:4].view(np.int32)
+        idx = buf[self.idx_at : self.idx_at + 4 * self.k_total].view(np.int32)
+        val = buf[self.val_at : self.nbytes].view(self.value_dtype)
+        return status, idx, val
+
+    def encode(self, flat, out):
+        """Select each tensor's top-k of ``flat``, write it into ``out``; return global positions."""
+        _, idx, val = self.parts(out)
+        xp = np if isinstance(flat, np.ndarray) else __import__("sys").modules["cupy"]
+        positions = []
+        at = 0
+        for (o, n), k in zip(self.layout.segments(), self.counts):
+            if k == 0:
+                continue
+            loc = topk_indices(flat[o : o + n], k)
+            idx[at : at + k] = loc
+            positions.append(loc + o)
+            at += k
+        pos = xp.concatenate(positions) if positions else xp.zeros(0, np.int64)
+        val[...] = flat[pos]
+        return pos
+
+    def decode_add(self, buf, out):
+        """Add one rank's payload into the fused buffer ``out`` (indices are unique per rank)."""
+        _, idx, val = self.parts(buf)
+        at = 0
+        for (o, n), k in zip(self.layout.segments(), self.counts):
+            if k == 0:
+                continue
+            seg = out[o : o + n]
+            seg[idx[at : at + k]] += val[at : at + k].astype(out.dtype, copy=False)
+            at += k

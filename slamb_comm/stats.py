@@ -1,0 +1,95 @@
+"""Byte and time statistics of exchanges (ALGORITHM.md section 4).
+
+Payload = the bytes a rank hands to the collective. Wire bytes estimate what crosses
+each rank's link: ``2 (P - 1) / P * payload`` for a ring allreduce and
+``(P - 1) * payload`` for an allgather. Every record also carries what the dense
+exchange of the same arrays (an allreduce of the full buffer in its own dtype) would
+have moved, so ``ratio`` reads directly as "fraction of dense".
+"""
+
+from dataclasses import dataclass, fields
+
+__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire"]
+
+
+def allreduce_wire(payload, size):
+    """Bytes a ring allreduce puts on each rank's link."""
+    return 2.0 * (size - 1) / size * payload if size > 1 else 0.0
+
+
+def allgather_wire(payload, size):
+    """Bytes an allgather puts on each rank's link."""
+    return float((size - 1) * payload)
+
+
+@dataclass
+class Traffic:
+    """Additive totals of one or more exchanges."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+    dense_payload_bytes: int = 0
+    dense_wire_bytes: float = 0.0
+    elements_sent: int = 0
+    elements_total: int = 0
+    encode_s: float = 0.0
+    comm_s: float = 0.0
+    decode_s: float = 0.0
+
+    def __add__(self, other):
+        return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def ratio(self):
+        """Payload bytes as a fraction of the dense exchange's payload."""
+        return self.payload_bytes / self.dense_payload_bytes if self.dense_payload_bytes else 0.0
+
+    @property
+    def wire_ratio(self):
+        """Wire bytes as a fraction of the dense exchange's wire bytes."""
+        return self.wire_bytes / self.dense_wire_bytes if self.dense_wire_bytes else 0.0
+
+    def as_dict(self):
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["ratio"] = self.ratio
+        d["wire_ratio"] = self.wire_ratio
+        return d
+
+
+class Stats:
+    """Running statistics of one communicator.
+
+    Attributes:
+        last: the most recent exchange (a :class:`Traffic` with ``calls == 1``).
+        step: everything since the last :meth:`new_step` call.
+        total: everything since construction.
+        by_kind: totals per exchange kind ('masked_allreduce', 'sparse_allgather', 'sync').
+
+    Constant memory: no per-call history is kept, so a run of any length does not grow.
+    """
+
+    def __init__(self):
+        self.last = Traffic()
+        self.step = Traffic()
+        self.total = Traffic()
+        self.by_kind = {}
+
+    def record(self, kind, t):
+        self.last = t
+        self.step = self.step + t
+        self.total = self.total + t
+        self.by_kind[kind] = self.by_kind.get(kind, Traffic()) + t
+
+    def new_step(self):
+        """Start a new step: :attr:`step` restarts from zero; returns the finished step's totals."""
+        done, self.step = self.step, Traffic()
+        return done
+
+    def summary(self):
+        t = self.total
+        return (
+            f"{t.calls} exchanges, payload {t.payload_bytes / 1e6:.3f} MB vs dense {t.dense_payload_bytes / 1e6:.3f} MB "
+            f"({t.ratio:.2%} of dense); wire {t.wire_bytes / 1e6:.3f} MB vs {t.dense_wire_bytes / 1e6:.3f} MB; "
+            f"encode {t.encode_s * 1e3:.1f} ms, comm {t.comm_s * 1e3:.1f} ms, decode {t.decode_s * 1e3:.1f} ms"
+        )

@@ -1,0 +1,236 @@
+"""Transports: the few collectives slamb_comm needs, behind one small protocol.
+
+A transport moves contiguous NumPy or CuPy buffers between ranks:
+
+* ``rank``, ``size``
+* ``allreduce(buf)``: in place, the element-wise **sum** over ranks;
+* ``allgather(sendbuf, recvbuf)``: ``recvbuf`` (``size * sendbuf.size`` elements) gets
+  rank r's ``sendbuf`` at ``[r * n:(r + 1) * n]``;
+* ``broadcast(buf, root=0)``: in place;
+* ``barrier()``.
+
+Buffers are 1-D and C-contiguous, with dtype float16, float32, float64, int32, int64 or
+uint8. Every rank must call every collective in the same order with the same sizes: the
+communicator guarantees that (it agrees on the layout once and carries a status word in
+every payload).
+
+Three transports live here: :class:`MPITransport` (mpi4py), :class:`NCCLTransport`
+(CuPy's NCCL bindings) and :class:`LocalTransport` (one process, no communication).
+Horovod's transport comes with the Horovod adapter.
+"""
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .arrays import is_cupy, synchronize
+from .errors import DTypeError
+
+__all__ = ["Transport", "MPITransport", "NCCLTransport", "LocalTransport"]
+
+_SUPPORTED = ("float16", "float32", "float64", "int32", "int64", "uint8")
+
+
+def _check_buffer(buf):
+    if buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError("transport buffers must be 1-D and C-contiguous")
+    if buf.dtype.name not in _SUPPORTED:
+        raise DTypeError(f"transport cannot move dtype {buf.dtype.name}; supported: {', '.join(_SUPPORTED)}")
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """The protocol every transport implements (see the module docstring)."""
+
+    rank: int
+    size: int
+    name: str
+
+    def allreduce(self, buf) -> None: ...
+
+    def allgather(self, sendbuf, recvbuf) -> None: ...
+
+    def broadcast(self, buf, root: int = 0) -> None: ...
+
+    def barrier(self) -> None: ...
+
+
+class LocalTransport:
+    """A single rank: every collective is the identity (allgather copies)."""
+
+    rank = 0
+    size = 1
+    name = "local"
+
+    def allreduce(self, buf):
+        _check_buffer(buf)
+
+    def allgather(self, sendbuf, recvbuf):
+        _check_buffer(sendbuf)
+        recvbuf[: sendbuf.size] = sendbuf
+
+    def broadcast(self, buf, root=0):
+        if root != 0:
+            raise ValueError(f"root {root} out of range for 1 rank")
+
+    def barrier(self):
+        pass
+
+
+_F16_SUM = None
+
+
+def _f16_sum_op(MPI):
+    """An MPI op that sums IEEE half floats (MPI has no predefined float16 type)."""
+    global _F16_SUM
+    if _F16_SUM is None:
+
+        def _sum(inmem, outmem, datatype):
+            out = np.frombuffer(outmem, dtype=np.float16)
+            out += np.frombuffer(inmem, dtype=np.float16)
+
+        _F16_SUM = MPI.Op.Create(_sum, commute=True)
+    return _F16_SUM
+
+
+class MPITransport:
+    """Collectives over an mpi4py communicator.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm`` (default ``MPI.COMM_WORLD``). It is duplicated, so
+            slamb_comm's messages never mix with the caller's.
+        cuda_aware: whether the MPI library accepts device pointers. ``None`` asks MPI
+            (``MPI.Query_cuda_support`` where mpi4py has it) and otherwise assumes not.
+            When false, CuPy buffers are staged through host memory (correct, slower).
+
+    float16 sums use a user-defined MPI op (MPI has no float16 type); everything else
+    uses ``MPI.SUM``. CuPy buffers: the current stream is synchronised before MPI reads
+    a buffer, because MPI does not know CUDA streams.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm=None, cuda_aware=None):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        if cuda_aware is None:
+            query = getattr(MPI, "Query_cuda_support", None)
+            cuda_aware = bool(query()) if query is not None else False
+        self.cuda_aware = bool(cuda_aware)
+
+    def _spec(self, buf):
+        if buf.dtype == np.float16:
+            return [buf.view(np.uint16), self._MPI.UINT16_T], _f16_sum_op(self._MPI)
+        return buf, self._MPI.SUM
+
+    def allreduce(self, buf):
+        _check_buffer(buf)
+        if is_cupy(buf) and not self.cuda_aware:
+            host = buf.get()
+            self.allreduce(host)
+            buf.set(host)
+            return
+        synchronize(buf)
+        spec, op = self._spec(buf)
+        self.comm.Allreduce(self._MPI.IN_PLACE, spec, op=op)
+
+    def allgather(self, sendbuf, recvbuf):
+        _check_buffer(sendbuf)
+        _check_buffer(recvbuf)
+        if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
+            raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
+        if is_cupy(sendbuf) and not self.cuda_aware:
+            host = recvbuf.get()
+            self.comm.Allgather(sendbuf.get().view(np.uint8), host.view(np.uint8))
+            recvbuf.set(host)
+            return
+        synchronize(sendbuf)
+        # Bytes are bytes: gather as uint8 so float16 needs no MPI type.
+        self.comm.Allgather(sendbuf.view(np.uint8), recvbuf.view(np.uint8))
+
+    def broadcast(self, buf, root=0):
+        _check_buffer(buf)
+        if is_cupy(buf) and not self.cuda_aware:
+            host = buf.get()
+            self.comm.Bcast(host.view(np.uint8), root=root)
+            buf.set(host)
+            return
+        synchronize(buf)
+        self.comm.Bcast(buf.view(np.uint8), root=root)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+class NCCLTransport:
+    """Collectives over NCCL through ``cupy.cuda.nccl``, for CuPy buffers.
+
+    Args:
+        mpi_comm: an mpi4py communicator used once, to broadcast NCCL's unique id
+            (default ``MPI.COMM_WORLD``). Each rank must have selected its device
+            (``cupy.cuda.Device(i).use()``) before constructing this.
+        stream: a ``cupy.cuda.Stream`` to run on; default: the current stream at each call.
+
+    Calls are asynchronous on the stream, like NCCL itself: results are ready for
+    later work on the same stream, and the host must synchronise before reading them.
+    """
+
+    name = "nccl"
+
+    def __init__(self, mpi_comm=None, stream=None):
+        import cupy
+        from cupy.cuda import nccl
+        from mpi4py import MPI
+
+        self._cp = cupy
+        self._nccl = nccl
+        mpi_comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = mpi_comm.bcast(uid, root=0)
+        self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._mpi = mpi_comm
+        self.stream = stream
+        self._types = {
+            "float16": nccl.NCCL_FLOAT16,
+            "float32": nccl.NCCL_FLOAT32,
+            "float64": nccl.NCCL_FLOAT64,
+            "int32": nccl.NCCL_INT32,
+            "int64": nccl.NCCL_INT64,
+            "uint8": nccl.NCCL_UINT8,
+        }
+
+    def _stream(self):
+        return (self.stream or self._cp.cuda.get_current_stream()).ptr
+
+    def _check(self, buf):
+        _check_buffer(buf)
+        if not is_cupy(buf):
+            raise TypeError("NCCLTransport moves CuPy arrays only; use MPITransport for NumPy")
+
+    def allreduce(self, buf):
+        self._check(buf)
+        t = self._types[buf.dtype.name]
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, t, self._nccl.NCCL_SUM, self._stream())
+
+    def allgather(self, sendbuf, recvbuf):
+        self._check(sendbuf)
+        self._check(recvbuf)
+        if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
+            raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
+        t = self._types[sendbuf.dtype.name]
+        self.comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, t, self._stream())
+
+    def broadcast(self, buf, root=0):
+        self._check(buf)
+        t = self._types[buf.dtype.name]
+        self.comm.bcast(buf.data.ptr, buf.size, t, root, self._stream())
+
+    def barrier(self):
+        self._cp.cuda.get_current_stream().synchronize()
+        self._mpi.Barrier()
