@@ -61,8 +61,9 @@ class Communicator:
         ratio: the fraction k in (0, 1] that sparse exchanges send (mask size, top-k count).
         mask: 'cyclic' (default, bounded staleness), 'bernoulli', or 'topk' (union of the
             ranks' top-k picks).
-        value_dtype: dtype of sparse payload values: 'float32' (default) or 'float16'
-            (half the bytes; values beyond +-65504 become Inf and are rejected as non-finite).
+        value_dtype: dtype of sparse payload values: ``None`` (default: the arrays' own
+            dtype, so nothing is rounded), 'float32', or 'float16' (half the bytes of fp32;
+            values beyond +-65504 become Inf and are rejected as non-finite).
         seed: the mask seed. Whatever each rank passes, rank 0's value is broadcast and
             used by all; ``None`` lets rank 0 draw one. No global RNG is touched.
         dense_threshold: tensors with ndim <= 1 or fewer elements are always exchanged
@@ -83,7 +84,7 @@ class Communicator:
         names=None,
         ratio=0.1,
         mask="cyclic",
-        value_dtype="float32",
+        value_dtype=None,
         seed=None,
         dense_threshold=9000,
     ):
@@ -95,12 +96,12 @@ class Communicator:
         digest = bytes(16)
         try:
             self.ratio = check_ratio(ratio)
-            self.value_dtype = _arr.value_dtype(value_dtype)
             if isinstance(arrays, Layout):
                 self.layout = arrays
             else:
                 arrs = [_arr.as_array(a) for a in arrays]
                 self.layout = Layout.from_arrays(arrs, names=names, dense_threshold=dense_threshold)
+            self.value_dtype = _arr.value_dtype(self.layout.dtype if value_dtype is None else value_dtype)
             if mask not in ("cyclic", "bernoulli", "topk"):
                 raise ConfigError(f"unknown mask {mask!r}; choose one of ['bernoulli', 'cyclic', 'topk']")
             self.mask_kind = mask
@@ -213,13 +214,18 @@ class Communicator:
         raise NonFiniteError(msg, nonfinite, tensors)
 
     def _check_sum(self, buf, problem, sent, idx, what):
-        """After an allreduce whose last slot is 0 (ok) or NaN (bad input): raise on every rank
-        if anything is non-finite. One host read on the success path."""
+        """After an allreduce whose last slot is 0 (ok) or NaN (a rank's problem): raise on every
+        rank if anything is non-finite. One host read on the success path; ``sent()`` gives
+        what this rank sent (or None if it flagged itself non-finite)."""
         xp = _arr.namespace(buf)
         finite = xp.isfinite(buf)
         if bool(finite.all()):
             return
-        code = _BAD_INPUT if problem is not None else (_OK if bool(xp.isfinite(sent()).all()) else _NON_FINITE)
+        if problem is not None:
+            code = _BAD_INPUT
+        else:
+            mine = sent()  # None: this rank already knows it is non-finite
+            code = _OK if mine is not None and bool(xp.isfinite(mine).all()) else _NON_FINITE
         codes = self._codes(code)
         bad_pos = xp.nonzero(~finite[:-1])[0]
         if idx is not None:
@@ -240,12 +246,15 @@ class Communicator:
         return [self.layout.names[i] for i in hit]
 
     # ------------------------------------------------------------------ operations
-    def masked_allreduce(self, x, step):
+    def masked_allreduce(self, x, step, local_nonfinite=False):
         """In place: ``x[M_t] = mean over ranks of x[M_t]`` for the shared mask of ``step``.
 
         Args:
             x: the fused buffer (or list of arrays) holding this rank's values.
             step: the 1-based step t that selects M_t (the same on every rank).
+            local_nonfinite: set by a caller that found non-finite values this rank does
+                not send now (e.g. elsewhere in its momentum); every rank then raises
+                :class:`~slamb_comm.errors.NonFiniteError` naming this rank, and nothing changes.
 
         Returns:
             ``x``, and the positions M_t in the fused buffer (an int array).
@@ -258,11 +267,14 @@ class Communicator:
         m = int(idx.size)
         buf = xp.empty(m + 1, dtype=self.value_dtype)
         buf[:m] = flat[idx]
-        buf[m] = 0 if problem is None else np.nan
+        buf[m] = np.nan if problem is not None or local_nonfinite else 0
         t1 = time.perf_counter()
         self.transport.allreduce(buf)
         t2 = time.perf_counter()
-        self._check_sum(buf, problem, lambda: flat[idx].astype(self.value_dtype), idx, f"masked_allreduce at step {step}")
+        self._check_sum(
+            buf, problem, lambda: None if local_nonfinite else flat[idx].astype(self.value_dtype), idx,
+            f"masked_allreduce at step {step}",
+        )
         vals = buf[:m].astype(flat.dtype, copy=False)
         if self.size > 1:
             vals *= flat.dtype.type(1.0 / self.size)

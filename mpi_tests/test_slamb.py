@@ -1,0 +1,134 @@
+"""SLAMB on flat buffers over MPI, against the dense reference of ALGORITHM.md section 1."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import slamb_comm as sc
+from slamb_comm.slamb import Slamb
+
+from slamb_reference import ReferenceSlamb
+
+SHAPES = [(60, 200), (200,), (30, 40), (40, 250)]  # (30, 40) is below the dense threshold
+
+
+def rank_params(r, dtype):
+    rng = np.random.default_rng(100 + r)
+    return [rng.standard_normal(s).astype(dtype) for s in SHAPES]
+
+
+def rank_grads(r, t, xs, dtype):
+    """Gradient of rank r at step t: depends on the rank's parameters and on (r, t)."""
+    rng = np.random.default_rng([7, r, t])
+    return [(0.5 * x.astype(np.float64) + rng.standard_normal(x.shape)).astype(dtype) for x in xs]
+
+
+def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True):
+    comm_world = MPI.COMM_WORLD
+    P, me = comm_world.size, comm_world.rank
+    x = rank_params(me, dtype)
+    comm = sc.Communicator(sc.MPITransport(), x, ratio=ratio, mask="cyclic", seed=11, value_dtype=value_dtype)
+    opt = Slamb(comm, lr=0.02, weight_decay=wd, beta3=beta3, sync_interval=H)
+    ref = ReferenceSlamb([rank_params(r, dtype) for r in range(P)], comm.layout.offsets, lr=0.02,
+                         wd=wd, beta3=beta3, H=H)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        grads = [rank_grads(r, t, [a.astype(dtype) for a in ref.x[r]], dtype) for r in range(P)]
+        opt.step(x, [g.copy() for g in grads[me]])
+        ref.step([[g.astype(np.float64) for g in gr] for gr in grads], comm.mask.select(t).astype(np.int64))
+        for mine, want in zip(x, ref.x[me]):
+            worst = max(worst, float(np.max(np.abs(mine - want)) / np.max(np.abs(want))))  # relative to the tensor's scale
+        if (t - 1) % H == 0:
+            everyone = comm_world.allgather(np.concatenate([a.ravel() for a in x]))
+            for r in range(P):
+                assert np.array_equal(everyone[r], everyone[0]), f"step {t}: rank {r} differs after sync"
+    return x, ref, comm, opt, worst
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 1.0])
+def test_slamb_matches_reference_fp64(ratio):
+    _, _, _, _, worst = run(ratio, np.float64)
+    assert worst < 1e-9, worst
+
+
+@pytest.mark.mpi
+def test_slamb_matches_reference_fp32():
+    _, _, comm, _, worst = run(0.1, np.float32, steps=20)
+    assert worst < 1e-5, worst
+    assert comm.stats.by_kind["masked_allreduce"].calls == 20
+
+
+@pytest.mark.mpi
+def test_slamb_fp16_payload_within_tolerance():
+    _, _, comm, _, worst = run(0.1, np.float32, value_dtype="float16", steps=12)
+    assert worst < 1e-3, worst
+    fp16 = comm.stats.by_kind["masked_allreduce"]
+    # 2 bytes per element sent, plus one 2-byte status slot per exchange
+    assert fp16.payload_bytes == 2 * (fp16.elements_sent + fp16.calls)
+
+
+@pytest.mark.mpi
+def test_momentum_identical_on_mask_and_bytes():
+    P = MPI.COMM_WORLD.size
+    x, _, comm, opt, _ = run(0.1, np.float32, steps=3, H=100)
+    idx = comm.mask.select(3)
+    everyone = MPI.COMM_WORLD.allgather(opt.m[idx])
+    for r in range(P):
+        assert np.array_equal(everyone[r], everyone[0])
+    dense_part = comm.layout.dense_index.size
+    last = comm.stats.by_kind["masked_allreduce"]
+    per_call = last.payload_bytes / last.calls
+    bound = 4 * (0.1 * (comm.layout.total - dense_part) + dense_part + 2)
+    assert per_call <= bound, (per_call, bound)
+
+
+@pytest.mark.mpi
+def test_nonfinite_gradient_on_one_rank_changes_nothing():
+    P, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    x = rank_params(me, np.float32)
+    comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=3)
+    opt = Slamb(comm, lr=0.01)
+    opt.step(x, rank_grads(me, 1, x, np.float32))
+    before = ([a.copy() for a in x], opt.state_dict())
+    g = rank_grads(me, 2, x, np.float32)
+    if me == P - 1:
+        g[0][5, 7] = np.nan  # not in every mask: must still be caught
+    with pytest.raises(sc.NonFiniteError) as err:
+        opt.step(x, g)
+    assert P - 1 in err.value.ranks
+    after = opt.state_dict()
+    assert after["step"] == before[1]["step"] == 1
+    for k in ("m", "v", "f"):
+        assert np.array_equal(after[k], before[1][k])
+    for a, b in zip(x, before[0]):
+        assert np.array_equal(a, b)
+    # and the next good step goes on as if the bad one never happened
+    opt.step(x, rank_grads(me, 2, x, np.float32))
+    assert opt.t == 2
+
+
+@pytest.mark.mpi
+def test_resume_is_bitwise():
+    me = MPI.COMM_WORLD.rank
+
+    def make():
+        x = rank_params(me, np.float32)
+        comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5)
+        return x, Slamb(comm, lr=0.01, sync_interval=4)
+
+    x1, o1 = make()
+    for t in range(1, 11):
+        o1.step(x1, rank_grads(me, t, x1, np.float32))
+    x2, o2 = make()
+    for t in range(1, 6):
+        o2.step(x2, rank_grads(me, t, x2, np.float32))
+    saved_state, saved_x = o2.state_dict(), [a.copy() for a in x2]
+    x3, o3 = make()
+    for a, b in zip(x3, saved_x):
+        a[...] = b
+    o3.load_state_dict(saved_state)
+    for t in range(6, 11):
+        o3.step(x3, rank_grads(me, t, x3, np.float32))
+    for a, b in zip(x1, x3):
+        assert np.array_equal(a, b)
