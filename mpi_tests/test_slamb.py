@@ -132,3 +132,56 @@ def test_resume_is_bitwise():
         o3.step(x3, rank_grads(me, t, x3, np.float32))
     for a, b in zip(x1, x3):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.mpi
+def test_checkpoint_directory_resume_is_bitwise_and_atomic(tmp_path_factory):
+    from slamb_comm import checkpoint
+
+    world = MPI.COMM_WORLD
+    me = world.rank
+    base = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if me == 0 else None, root=0)
+    ckpt = f"{base}/run"
+    transport = sc.MPITransport()
+
+    def make():
+        x = rank_params(me, np.float32)
+        return x, Slamb(sc.Communicator(transport, x, ratio=0.1, seed=9), lr=0.01, sync_interval=3)
+
+    x1, o1 = make()
+    for t in range(1, 9):
+        o1.step(x1, rank_grads(me, t, x1, np.float32))
+    x2, o2 = make()
+    for t in range(1, 5):
+        o2.step(x2, rank_grads(me, t, x2, np.float32))
+    checkpoint.save(ckpt, {"x": x2, "opt": o2.state_dict()}, transport, meta={"step": 4})
+    # a later save killed halfway: a temporary directory without a manifest is left behind
+    if me == 0:
+        import os
+        os.makedirs(f"{ckpt}.tmp-dead", exist_ok=True)
+        open(f"{ckpt}.tmp-dead/rank00000.pkl", "wb").write(b"partial")
+    world.Barrier()
+    with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
+        checkpoint.load(f"{ckpt}.tmp-dead", transport)
+    state = checkpoint.load(ckpt, transport)
+    x3, o3 = make()
+    for a, b in zip(x3, state["x"]):
+        a[...] = b
+    o3.load_state_dict(state["opt"])
+    for t in range(5, 9):
+        o3.step(x3, rank_grads(me, t, x3, np.float32))
+    for a, b in zip(x1, x3):
+        assert np.array_equal(a, b)
+    # a corrupted file on one rank fails on every rank
+    world.Barrier()
+    if me == world.size - 1:
+        with open(f"{ckpt}/rank{me:05d}.pkl", "r+b") as fh:
+            fh.seek(10)
+            fh.write(b"\x00\x01\x02")
+    world.Barrier()
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(ckpt, transport)
+    if world.size > 1:  # written by P ranks, read by a communicator of one rank
+        solo = sc.MPITransport(MPI.COMM_SELF)
+        with pytest.raises(checkpoint.CheckpointError, match=f"written by {world.size} ranks"):
+            checkpoint.load(ckpt, solo)

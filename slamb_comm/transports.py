@@ -19,6 +19,7 @@ Three transports live here: :class:`MPITransport` (mpi4py), :class:`NCCLTranspor
 Horovod's transport comes with the Horovod adapter.
 """
 
+import sys
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -78,6 +79,30 @@ class LocalTransport:
 
 
 _F16_SUM = None
+_HOOKED = False
+
+
+def _install_abort_hook(MPI):
+    """Make an uncaught exception on one rank abort the whole MPI job (once per process)."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def _abort(kind, value, tb):
+        rank = MPI.COMM_WORLD.Get_rank()
+        try:
+            previous(kind, value, tb)
+        finally:
+            sys.stderr.write(
+                f"slamb_comm: uncaught {kind.__name__} on rank {rank}; aborting all ranks (MPI_Abort)\n"
+            )
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = _abort
+
 
 
 def _f16_sum_op(MPI):
@@ -102,6 +127,10 @@ class MPITransport:
         cuda_aware: whether the MPI library accepts device pointers. ``None`` asks MPI
             (``MPI.Query_cuda_support`` where mpi4py has it) and otherwise assumes not.
             When false, CuPy buffers are staged through host memory (correct, slower).
+        abort_on_exception: if true (default), an exception that nobody catches on this
+            rank prints its traceback with the rank and calls ``MPI_Abort``, so the other
+            ranks end at once instead of waiting forever in their next collective (what
+            ``python -m mpi4py`` does). The previous ``sys.excepthook`` still runs first.
 
     float16 sums use a user-defined MPI op (MPI has no float16 type); everything else
     uses ``MPI.SUM``. CuPy buffers: the current stream is synchronised before MPI reads
@@ -110,7 +139,7 @@ class MPITransport:
 
     name = "mpi"
 
-    def __init__(self, comm=None, cuda_aware=None):
+    def __init__(self, comm=None, cuda_aware=None, abort_on_exception=True):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -121,6 +150,8 @@ class MPITransport:
             query = getattr(MPI, "Query_cuda_support", None)
             cuda_aware = bool(query()) if query is not None else False
         self.cuda_aware = bool(cuda_aware)
+        if abort_on_exception:
+            _install_abort_hook(MPI)
 
     def _spec(self, buf):
         if buf.dtype == np.float16:
