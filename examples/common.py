@@ -114,3 +114,149 @@ def mlp_classifier(sizes=(64, 512, 256, 10)):
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------- training (torch + horovod)
+OPTIMIZERS = ("slamb", "lamb", "adam", "sgd", "topk-adam")
+
+
+def add_training_args(ap, steps, lr):
+    """The command-line options every torch example shares (optimizer choice and SLAMB's knobs)."""
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="slamb")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--ratio", type=float, default=0.1, help="SLAMB: momentum fraction per step; topk-adam: k")
+    ap.add_argument("--beta3", type=float, default=0.9, help="SLAMB freshness decay")
+    ap.add_argument("--sync-interval", type=int, default=100, help="SLAMB: parameter average every H steps")
+    ap.add_argument("--mask", choices=["cyclic", "bernoulli", "topk"], default="cyclic")
+    ap.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
+                    help="payload dtype of the sparse exchange")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--csv", default=None, help="write one row per evaluation (rank 0)")
+    ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
+def build_optimizer(args, model):
+    """The distributed optimizer for ``args.optimizer``; each line is what a user would write.
+
+    Returns ``(optimizer, bytes_fn)`` where ``bytes_fn()`` gives the step's
+    :class:`slamb_comm.Traffic` (payload handed to the collectives vs a dense fp32 allreduce).
+    """
+    import horovod.torch as hvd
+    import torch
+
+    import slamb_comm
+    from slamb_comm.adapters import horovod as shvd
+
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    if args.optimizer == "slamb":
+        opt = shvd.DistributedOptimizer(
+            shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3,
+                       sync_interval=args.sync_interval, mask=args.mask, value_dtype=args.value_dtype,
+                       seed=args.seed),
+            named_parameters=named)
+        return opt, opt.step_traffic
+    if args.optimizer == "topk-adam":
+        opt = shvd.DistributedOptimizer(torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
+                                        named_parameters=named,
+                                        compression=shvd.TopK(args.ratio, value_dtype=args.value_dtype))
+        return opt, opt.step_traffic
+    if args.optimizer == "lamb":  # dense LAMB: SLAMB alone (ratio 1) is LAMB; Horovod averages the gradients
+        base = shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=1.0)
+    elif args.optimizer == "adam":
+        base = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        base = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    opt = hvd.DistributedOptimizer(base, named_parameters=named)
+    dense = sum(p.numel() * 4 for p in params)
+    wire = slamb_comm.stats.allreduce_wire(dense, hvd.size())
+    return opt, lambda: slamb_comm.Traffic(1, dense, wire, dense, wire)
+
+
+def averaged_copy(model):
+    """A copy of ``model`` whose parameters are the mean over ranks (for evaluation)."""
+    import copy
+
+    import horovod.torch as hvd
+
+    avg = copy.deepcopy(model)
+    for name, p in avg.named_parameters():
+        p.data.copy_(hvd.allreduce(p.data, op=hvd.Average, name=f"eval.{name}"))
+    return avg
+
+
+def train(args, model, batch_fn, loss_fn, evaluate, label):
+    """The training loop shared by the examples: returns a summary dict (rank 0 prints it).
+
+    ``batch_fn(step, rank)`` gives this rank's ``(inputs, targets)``; ``evaluate(model)``
+    returns ``(val_loss, metric_name, metric)`` for a model (the mean of the replicas).
+    """
+    import csv
+    import time
+
+    import horovod.torch as hvd
+    import torch
+
+    torch.set_num_threads(args.threads)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt, bytes_fn = build_optimizer(args, model)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    me, P = hvd.rank(), hvd.size()
+    n_params = sum(p.numel() for p in model.parameters())
+    rows, moved, dense_moved = [], 0, 0
+    bar = None
+    if me == 0:
+        print(f"{label}: {args.optimizer} on {P} ranks, {n_params} parameters, lr {args.lr}"
+              + (f", ratio {args.ratio}, beta3 {args.beta3}, H {args.sync_interval}, mask {args.mask}, "
+                 f"{args.value_dtype} payload" if args.optimizer == "slamb" else "")
+              + (f", k {args.ratio}, {args.value_dtype} payload" if args.optimizer == "topk-adam" else ""),
+              flush=True)
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=args.steps, desc=args.optimizer, unit="step")
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = batch_fn(step, me)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        traffic = bytes_fn()
+        moved += traffic.payload_bytes
+        dense_moved += n_params * 4
+        last = step == args.steps
+        if step % args.eval_every == 0 or last:
+            val_loss, metric_name, metric = evaluate(averaged_copy(model))
+            train_loss = hvd.allreduce(loss.detach(), op=hvd.Average, name="train_loss").item()
+            row = {"method": args.optimizer, "lr": args.lr, "ratio": args.ratio, "beta3": args.beta3,
+                   "value_dtype": args.value_dtype, "ranks": P, "step": step, "train_loss": train_loss,
+                   "val_loss": val_loss, metric_name: metric, "bytes": moved, "dense_bytes": dense_moved,
+                   "bytes_vs_dense": moved / dense_moved, "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            if me == 0:
+                msg = (f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  {metric_name} "
+                       f"{metric:.4f}  payload/step {traffic.payload_bytes / 1e3:.1f} kB "
+                       f"({traffic.payload_bytes / (n_params * 4):.1%} of dense)  total {moved / dense_moved:.1%}")
+                (bar.write if bar is not None else print)(msg)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    summary = rows[-1]
+    if me == 0:
+        if args.csv:
+            os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+            with open(args.csv, "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+        print(f"summary: {args.optimizer} final val loss {summary['val_loss']:.4f}, "
+              f"{metric_name} {summary[metric_name]:.4f}, "
+              f"bytes {moved / 1e6:.1f} MB vs dense allreduce {dense_moved / 1e6:.1f} MB "
+              f"({moved / dense_moved:.1%}), {summary['seconds']:.0f} s", flush=True)
+    return summary

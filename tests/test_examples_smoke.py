@@ -47,3 +47,24 @@ def test_exchange_benchmark_writes_csv(tmp_path):
     topk32 = next(r for r in rows if r["method"] == "topk" and r["value_dtype"] == "float32")
     # k = 1638 values + 1638 int32 indices + the 8-byte header
     assert int(topk32["payload_bytes"]) == 1638 * 8 + 8
+
+
+@pytest.mark.parametrize("optimizer", ["slamb", "lamb", "adam", "sgd", "topk-adam"])
+def test_lm_example_each_optimizer(optimizer, tmp_path):
+    out_csv = tmp_path / "lm.csv"
+    out = mpirun(2, "examples/train_lm.py", "--optimizer", optimizer, "--steps", "4", "--eval-every", "2",
+                 "--eval-batches", "1", "--files", "20", "--no-progress", "--csv", str(out_csv))
+    assert f"summary: {optimizer} final val loss" in out
+    rows = list(csv.DictReader(open(out_csv)))
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    frac = float(rows[-1]["bytes_vs_dense"])
+    if optimizer in ("slamb", "topk-adam"):
+        assert frac < 0.6, frac  # sparse: well under dense even with the step-1 parameter sync
+    else:
+        assert frac == 1.0
+
+
+def test_digits_example_slamb_fp16(tmp_path):
+    out = mpirun(2, "examples/train_digits.py", "--steps", "6", "--eval-every", "3", "--value-dtype", "float16",
+                 "--no-progress")
+    assert "summary: slamb final val loss" in out and "accuracy" in out
