@@ -84,19 +84,28 @@ def test_momentum_identical_on_mask_and_bytes():
 
 
 @pytest.mark.mpi
-def test_nonfinite_gradient_on_one_rank_changes_nothing():
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_gradient_on_one_rank_changes_nothing(policy, caplog):
     P, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
     x = rank_params(me, np.float32)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=3)
-    opt = Slamb(comm, lr=0.01)
+    opt = Slamb(comm, lr=0.01, on_nonfinite=policy)
     opt.step(x, rank_grads(me, 1, x, np.float32))
     before = ([a.copy() for a in x], opt.state_dict())
     g = rank_grads(me, 2, x, np.float32)
     if me == P - 1:
         g[0][5, 7] = np.nan  # not in every mask: must still be caught
-    with pytest.raises(sc.NonFiniteError) as err:
-        opt.step(x, g)
-    assert P - 1 in err.value.ranks
+    if policy == "raise":
+        with pytest.raises(sc.NonFiniteError) as err:
+            opt.step(x, g)
+        assert P - 1 in err.value.ranks
+        if me == P - 1:
+            assert err.value.tensors == ("0",)
+    else:
+        with caplog.at_level("WARNING", logger="slamb_comm"):
+            opt.step(x, g)
+        assert opt.skipped_steps == 1
+        assert f"rank(s) [{P - 1}]" in caplog.text and "skipped on every rank" in caplog.text
     after = opt.state_dict()
     assert after["step"] == before[1]["step"] == 1
     for k in ("m", "v", "f"):
@@ -185,3 +194,14 @@ def test_checkpoint_directory_resume_is_bitwise_and_atomic(tmp_path_factory):
         solo = sc.MPITransport(MPI.COMM_SELF)
         with pytest.raises(checkpoint.CheckpointError, match=f"written by {world.size} ranks"):
             checkpoint.load(ckpt, solo)
+
+
+@pytest.mark.mpi
+def test_mismatched_options_fail_on_every_rank():
+    P, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    if P == 1:
+        pytest.skip("needs two ranks")
+    x = rank_params(me, np.float32)
+    comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=3)
+    with pytest.raises(sc.ConfigError, match=rf"rank\(s\) \[{P - 1}\] differ"):
+        Slamb(comm, lr=0.01, beta3=0.9 if me < P - 1 else 0.99)

@@ -25,11 +25,19 @@ Tuning guide (from the paper and ALGORITHM.md section 5):
 * ``mask`` (on the communicator): 'cyclic' bounds staleness by ``ceil(1/k)`` steps; use it.
 
 State is double-buffered: a step computes the new moments beside the committed ones and
-commits them only when the exchange succeeded, so a step that raises (a NaN on any rank,
+commits them only when the exchange succeeded, so a step that fails (a NaN on any rank,
 a bad input) leaves ``m``, ``v``, ``f``, ``x`` and the step count exactly as they were, on
 every rank. This costs one extra copy of ``m`` and ``v`` in memory.
+
+Non-finite gradients: with ``on_nonfinite='skip'`` (default, like AMP's grad scaler) a
+step whose new moments hold a NaN or Inf on any rank is skipped by every rank, logged
+(logger ``slamb_comm``) with the ranks and tensor names, and counted in
+:attr:`Slamb.skipped_steps`; with ``'raise'`` every rank raises
+:class:`~slamb_comm.errors.NonFiniteError` instead. Either way nothing non-finite reaches
+any rank's state.
 """
 
+import logging
 import math
 
 import numpy as np
@@ -38,6 +46,8 @@ from . import arrays as _arr
 from .errors import ConfigError, LayoutError, NonFiniteError
 
 __all__ = ["Slamb"]
+
+log = logging.getLogger("slamb_comm")
 
 
 class Slamb:
@@ -53,6 +63,10 @@ class Slamb:
         beta3: freshness decay in [0, 1).
         sync_interval: H >= 1; parameters are averaged after steps with ``(t - 1) % H == 0``.
         c_min, c_max: clamp of the trust ratios.
+        on_nonfinite: 'skip' (default) or 'raise', for a step with NaN/Inf on any rank.
+
+    Construction is collective: the ranks check that they agree on every option above
+    (a ConfigError on every rank names the ranks that differ).
 
     One whole step is :meth:`step`. For overlapping communication with the backward
     pass it is also offered in pieces: :meth:`begin_step`, :meth:`accumulate` per tensor,
@@ -72,6 +86,7 @@ class Slamb:
         sync_interval=100,
         c_min=0.01,
         c_max=1000.0,
+        on_nonfinite="skip",
     ):
         self.comm = comm
         self.layout = lay = comm.layout
@@ -93,6 +108,11 @@ class Slamb:
         self.c_min, self.c_max = float(c_min), float(c_max)
         self.lr = self._per_tensor(lr, "lr")
         self.weight_decay = self._per_tensor(weight_decay, "weight_decay")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0  # steps skipped for non-finite values (on every rank alike)
+        self._agree_options()
         self.t = 0  # steps committed
         self._t_open = None  # the step in progress, between begin_step and apply
         self._xp = None
@@ -105,6 +125,24 @@ class Slamb:
         self._nonempty = np.flatnonzero(sizes > 0)
         self._starts = np.asarray(lay.offsets, dtype=np.int64)[self._nonempty]
         self._sizes = sizes[self._nonempty]
+
+    def _agree_options(self):
+        """Collective: every rank must have the same options (else ConfigError everywhere)."""
+        opts = (self.betas, self.eps, self.beta3, self.sync_interval, self.c_min, self.c_max, self.lr,
+                self.weight_decay, self.on_nonfinite)
+        mine = np.frombuffer(self.layout.digest(*opts), dtype=np.int64).copy()
+        t = self.comm.transport
+        everyone = np.zeros(2 * t.size, dtype=np.int64)
+        t.allgather(mine, everyone)
+        everyone = everyone.reshape(t.size, 2)
+        differ = [r for r in range(t.size) if not np.array_equal(everyone[r], everyone[0])]
+        if differ:
+            raise ConfigError(
+                f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0; this is rank {t.rank} "
+                f"with betas={self.betas}, eps={self.eps}, beta3={self.beta3}, sync_interval={self.sync_interval}, "
+                f"c_min={self.c_min}, c_max={self.c_max}, lr={self.lr[:3]}..., weight_decay={self.weight_decay[:3]}..., "
+                f"on_nonfinite={self.on_nonfinite!r}"
+            )
 
     def _per_tensor(self, value, name):
         n = len(self.layout)
@@ -242,6 +280,13 @@ class Slamb:
         local_bad = not (bool(xp.isfinite(self._m_next).all()) and bool(xp.isfinite(self._v_next).all()))
         try:
             _, idx = self.comm.masked_allreduce(self._m_next, t, local_nonfinite=local_bad)
+        except NonFiniteError as e:
+            self.abort_step()
+            if not local_bad:
+                raise
+            bad = xp.logical_not(xp.isfinite(self._m_next) & xp.isfinite(self._v_next))
+            names = [n for n, v in zip(self.layout.names, self.layout.views(bad)) if bool(v.any())]
+            raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
         except Exception:
             self.abort_step()
             raise
@@ -337,7 +382,15 @@ class Slamb:
         except Exception:
             self.abort_step()
             raise
-        self.exchange()
+        try:
+            self.exchange()
+        except NonFiniteError as e:
+            if self.on_nonfinite == "raise":
+                raise
+            self.skipped_steps += 1
+            log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
+                        self.t + 1, self.skipped_steps, e)
+            return x
         return self.apply(x, lr=lr, weight_decay=weight_decay)
 
     # ------------------------------------------------------------------ helpers
