@@ -189,6 +189,8 @@ def topk_indices(x, k):
         if cand.size >= k or lo_rank >= s - 1:
             break
         lo_rank = 2 * lo_rank + 1  # rare: too few candidates, lower the threshold
+    if cand.size < k:  # even the sample's minimum is above the k-th largest: every element is a candidate
+        cand = xp.arange(n, dtype=np.int64)
     vals = mag[cand]
     c = cand.size
     if c == k:
@@ -196,7 +198,7 @@ def topk_indices(x, k):
     # Elements above ``hi`` are surely in; the k-th largest lies in the band [lo, hi].
     hi = sample[s - 1 - hi_rank] if 0 <= hi_rank < s else None
     n_sure = int(xp.count_nonzero(vals > hi)) if hi is not None else 0
-    if hi is not None and n_sure <= k:
+    if hi is not None and n_sure < k:  # (n_sure == k would leave nothing to select in the band)
         band = vals[(vals <= hi)]
         need = k - n_sure
         kth = xp.partition(band, band.size - need)[band.size - need]

@@ -30,9 +30,10 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from .codecs import Layout, TopKWire, check_ratio, make_mask
+from .codecs import DATA_DTYPES, Layout, TopKWire, check_ratio, make_mask
 from .errors import (
     ConfigError,
+    DTypeError,
     LayoutError,
     LayoutMismatchError,
     NonContiguousError,
@@ -119,10 +120,12 @@ class Communicator:
     # ------------------------------------------------------------------ agreement
     @property
     def rank(self):
+        """This process's rank in the transport (0 <= rank < size)."""
         return self.transport.rank
 
     @property
     def size(self):
+        """The number of ranks P taking part in every exchange."""
         return self.transport.size
 
     def _agree(self, problem, digest):
@@ -166,6 +169,8 @@ class Communicator:
             for a, name, shape in zip(arrs, lay.names, lay.shapes):
                 if tuple(a.shape) != shape:
                     raise LayoutError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
+                if a.dtype.name not in DATA_DTYPES:
+                    raise DTypeError(f"tensor {name!r} has unsupported dtype {a.dtype.name}; expected {lay.dtype.name}")
                 if a.dtype != lay.dtype:
                     raise LayoutError(f"tensor {name!r} has dtype {a.dtype.name}, expected {lay.dtype.name}")
                 if not a.flags.c_contiguous:
@@ -178,6 +183,8 @@ class Communicator:
         xp = _arr.namespace(flat)
         if flat.ndim != 1 or flat.size != lay.total:
             raise LayoutError(f"expected a fused 1-D buffer of {lay.total} elements, got shape {tuple(flat.shape)}")
+        if flat.dtype.name not in DATA_DTYPES:
+            raise DTypeError(f"fused buffer has unsupported dtype {flat.dtype.name}; expected {lay.dtype.name}")
         if flat.dtype != lay.dtype:
             raise LayoutError(f"fused buffer has dtype {flat.dtype.name}, expected {lay.dtype.name}")
         if not flat.flags.c_contiguous:
@@ -275,9 +282,10 @@ class Communicator:
             buf, problem, lambda: None if local_nonfinite else flat[idx].astype(self.value_dtype), idx,
             f"masked_allreduce at step {step}",
         )
-        vals = buf[:m].astype(flat.dtype, copy=False)
+        # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
+        vals = buf[:m].astype(np.promote_types(buf.dtype, flat.dtype), copy=False)
         if self.size > 1:
-            vals *= flat.dtype.type(1.0 / self.size)
+            vals *= vals.dtype.type(1.0 / self.size)
         flat[idx] = vals
         self._write_back(flat, arrs)
         t3 = time.perf_counter()
@@ -311,6 +319,8 @@ class Communicator:
         pos = None
         if code == _OK:
             pos = w.encode(c, send)
+            if not bool(xp.isfinite(val).all()):  # e.g. beyond +-65504 in a float16 payload
+                code = _NON_FINITE
         status[0] = code
         t1 = time.perf_counter()
         recv = w.empty(xp, self.size)
@@ -320,11 +330,15 @@ class Communicator:
         codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()
         if any(codes):
             self._fail(codes, problem, "sparse_allgather")
-        out = xp.zeros(self.layout.total, dtype=self.layout.dtype)
+        # Sum float16 buffers in float32: the sum over ranks may exceed 65504, the mean does not.
+        acc = np.promote_types(self.layout.dtype, np.float32)
+        out = xp.zeros(self.layout.total, dtype=acc)
         for r in range(self.size):
             w.decode_add(recv[r], out)
         if self.size > 1:
             out *= out.dtype.type(1.0 / self.size)
+        if acc != self.layout.dtype:
+            out = out.astype(self.layout.dtype)
         c[pos] -= val.astype(c.dtype, copy=False)  # what was not sent (and rounding) stays
         self.residual = c
         t3 = time.perf_counter()

@@ -200,6 +200,9 @@ class MPITransport:
 class NCCLTransport:
     """Collectives over NCCL through ``cupy.cuda.nccl``, for CuPy buffers.
 
+    NumPy buffers (such as the communicator's small agreement and status messages) are
+    staged through device memory; the call then returns only when the result is on the host.
+
     Args:
         mpi_comm: an mpi4py communicator used once, to broadcast NCCL's unique id
             (default ``MPI.COMM_WORLD``). Each rank must have selected its device
@@ -244,12 +247,33 @@ class NCCLTransport:
         if not is_cupy(buf):
             raise TypeError("NCCLTransport moves CuPy arrays only; use MPITransport for NumPy")
 
+    def _upload(self, host):
+        _check_buffer(host)
+        dev = self._cp.asarray(host)
+        self._cp.cuda.get_current_stream().synchronize()  # the copy is done before NCCL's stream reads it
+        return dev
+
+    def _download(self, dev, host):
+        (self.stream or self._cp.cuda.get_current_stream()).synchronize()  # NCCL's result is complete
+        host[...] = dev.get()
+
     def allreduce(self, buf):
+        if isinstance(buf, np.ndarray):
+            dev = self._upload(buf)
+            self.allreduce(dev)
+            self._download(dev, buf)
+            return
         self._check(buf)
         t = self._types[buf.dtype.name]
         self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, t, self._nccl.NCCL_SUM, self._stream())
 
     def allgather(self, sendbuf, recvbuf):
+        if isinstance(sendbuf, np.ndarray) and isinstance(recvbuf, np.ndarray):
+            _check_buffer(recvbuf)
+            dev = self._cp.empty(recvbuf.size, dtype=recvbuf.dtype)
+            self.allgather(self._upload(sendbuf), dev)
+            self._download(dev, recvbuf)
+            return
         self._check(sendbuf)
         self._check(recvbuf)
         if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
@@ -258,6 +282,11 @@ class NCCLTransport:
         self.comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, t, self._stream())
 
     def broadcast(self, buf, root=0):
+        if isinstance(buf, np.ndarray):
+            dev = self._upload(buf)
+            self.broadcast(dev, root)
+            self._download(dev, buf)
+            return
         self._check(buf)
         t = self._types[buf.dtype.name]
         self.comm.bcast(buf.data.ptr, buf.size, t, root, self._stream())
