@@ -163,7 +163,7 @@ def build_optimizer(args, model):
     if args.optimizer == "topk-adam":
         opt = shvd.DistributedOptimizer(torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
                                         named_parameters=named,
-                                        compression=shvd.TopK(args.ratio, value_dtype=args.value_dtype))
+                                        compression=slamb_comm.TopK(args.ratio, value_dtype=args.value_dtype))
         return opt, opt.step_traffic
     if args.optimizer == "lamb":  # dense LAMB: SLAMB alone (ratio 1) is LAMB; Horovod averages the gradients
         base = shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=1.0)

@@ -24,7 +24,7 @@ import slamb_comm
 import slamb_comm.adapters.horovod as slamb_hvd
 
 parser = argparse.ArgumentParser(description="SLAMB on a synthetic regression task")
-parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--steps", type=int, default=50)
 parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--log-every", type=int, default=5)
@@ -47,9 +47,9 @@ def get_batch():
 
 
 model = torch.nn.Sequential(
-    torch.nn.Linear(32, 256), torch.nn.ReLU(),
-    torch.nn.Linear(256, 256), torch.nn.ReLU(),
-    torch.nn.Linear(256, 8),
+    torch.nn.Linear(32, 512), torch.nn.ReLU(),
+    torch.nn.Linear(512, 512), torch.nn.ReLU(),
+    torch.nn.Linear(512, 8),
 )
 
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -15,7 +15,7 @@ See :class:`Communicator` for the exchanges, :mod:`slamb_comm.codecs` for the co
 and masks, :mod:`slamb_comm.transports` for the transports.
 """
 
-from .codecs import BernoulliMask, CyclicMask, Layout, TopKUnionMask, k_elems, topk_indices
+from .codecs import BernoulliMask, CyclicMask, Layout, TopK, TopKUnionMask, k_elems, topk_indices
 from .communicator import Communicator
 from .errors import (
     ConfigError,
@@ -38,6 +38,7 @@ __all__ = [
     "CyclicMask",
     "BernoulliMask",
     "TopKUnionMask",
+    "TopK",
     "k_elems",
     "topk_indices",
     "Transport",

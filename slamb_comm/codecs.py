@@ -34,6 +34,7 @@ __all__ = [
     "BernoulliMask",
     "TopKUnionMask",
     "make_mask",
+    "TopK",
     "TopKWire",
 ]
 
@@ -312,6 +313,38 @@ def make_mask(kind, layout, ratio, seed):
     if kind not in _MASKS:
         raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
     return _MASKS[kind](layout, ratio, seed)
+
+
+class TopK:
+    """The top-k codec as an option: ``compression=slamb_comm.TopK(0.01)`` selects sparse top-k
+    gradient exchange with error feedback in the adapters.
+
+    Per tensor, each rank sends the ``max(1, round(ratio * n))`` entries of largest
+    magnitude of ``gradient + error`` and keeps the rest in its error buffer; every rank
+    receives all ranks' entries and averages them (ALGORITHM.md section 2); then the
+    wrapped optimizer steps on that mean. The allgather's bytes grow with the number of
+    ranks: it beats a dense allreduce only while about ``P * ratio * (value + 4 index
+    bytes) < 8`` (fp32 dense).
+
+    Args:
+        ratio: the fraction k in (0, 1] of every tensor that is sent.
+        value_dtype: ``'float32'`` or ``'float16'`` values on the wire.
+    """
+
+    def __init__(self, ratio, value_dtype="float32"):
+        self.ratio = check_ratio(ratio)
+        self.value_dtype = _arr.value_dtype(value_dtype).name
+
+    def __repr__(self):
+        return f"TopK({self.ratio}, value_dtype={self.value_dtype!r})"
+
+    # A framework's compressor interface (Horovod's), for a clear error if passed to the wrong place.
+    def compress(self, tensor):
+        """Not a Horovod compressor: raises TypeError naming the right entry point."""
+        raise TypeError("slamb_comm.TopK is not a Horovod compressor: pass it to "
+                        "slamb_comm.adapters.horovod.DistributedOptimizer, not hvd.DistributedOptimizer")
+
+    decompress = compress
 
 
 class TopKWire:

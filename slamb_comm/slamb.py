@@ -120,11 +120,6 @@ class Slamb:
         self._m_next = self._v_next = None
         self._idx = None  # M_t positions of the step in progress (fused)
         self._pos = None  # per-tensor positions of M_t
-        self._expanded = (None, None)  # (key, per-element array) of the last lr / wd expanded
-        sizes = np.asarray(lay.sizes)
-        self._nonempty = np.flatnonzero(sizes > 0)
-        self._starts = np.asarray(lay.offsets, dtype=np.int64)[self._nonempty]
-        self._sizes = sizes[self._nonempty]
 
     def _agree_options(self):
         """Collective: every rank must have the same options (else ConfigError everywhere)."""
@@ -157,6 +152,11 @@ class Slamb:
         return vals
 
     # ------------------------------------------------------------------ state
+    @property
+    def xp(self):
+        """``numpy`` or ``cupy``: where the state lives (``None`` before the first step)."""
+        return self._xp
+
     def _ensure_state(self, xp):
         if self._xp is None:
             n, dt = self.layout.total, self.layout.dtype
@@ -164,6 +164,7 @@ class Slamb:
             self.m, self.v = xp.zeros(n, dt), xp.zeros(n, dt)
             self.f = xp.ones(n, dt)
             self._m_next, self._v_next = xp.empty(n, dt), xp.empty(n, dt)
+            self._u, self._tmp, self._tmp2 = xp.empty(n, dt), xp.empty(n, dt), xp.empty(n, dt)
         elif self._xp is not xp:
             raise TypeError(f"SLAMB state lives in {self._xp.__name__}, got {xp.__name__} arrays")
 
@@ -193,6 +194,7 @@ class Slamb:
                 raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({self.layout.total},)")
         self._xp = None
         self._ensure_state(xp)
+        self.f = xp.ones(self.layout.total, self.layout.dtype)
         for k in ("m", "v", "f"):
             getattr(self, k)[...] = xp.asarray(state[k])
 
@@ -224,22 +226,21 @@ class Slamb:
         o, n = self.layout.offsets[i], self.layout.sizes[i]
         if g_i.size != n:
             raise LayoutError(f"gradient of tensor {self.layout.names[i]!r} has {g_i.size} elements, expected {n}")
-        b1, b2 = self.betas
-        g = g_i.reshape(-1)
-        mn, vn = self._m_next[o : o + n], self._v_next[o : o + n]
-        xp.multiply(self.m[o : o + n], b1, out=mn)
-        mn += (1.0 - b1) * g
-        xp.multiply(self.v[o : o + n], b2, out=vn)
-        vn += (1.0 - b2) * (g * g)
+        self._moments(slice(o, o + n), g_i.reshape(-1))
 
-    def _accumulate_all(self, g):
-        """All moments at once from a fused gradient buffer."""
-        b1, b2 = self.betas
+    def _moments(self, sl, g):
+        """``m_next = b1 m + (1-b1) g``, ``v_next = b2 v + (1-b2) g^2`` on slice ``sl``, no temporaries."""
         xp = self._xp
-        xp.multiply(self.m, b1, out=self._m_next)
-        self._m_next += (1.0 - b1) * g
-        xp.multiply(self.v, b2, out=self._v_next)
-        self._v_next += (1.0 - b2) * (g * g)
+        b1, b2 = self.betas
+        dt = self.layout.dtype.type
+        tmp, mn, vn = self._tmp[sl], self._m_next[sl], self._v_next[sl]
+        xp.multiply(g, dt(1.0 - b1), out=tmp)
+        xp.multiply(self.m[sl], dt(b1), out=mn)
+        mn += tmp
+        xp.multiply(g, g, out=tmp)
+        tmp *= dt(1.0 - b2)
+        xp.multiply(self.v[sl], dt(b2), out=vn)
+        vn += tmp
 
     def momentum_views(self):
         """Per-tensor views of the momentum being computed in the open step."""
@@ -277,7 +278,8 @@ class Slamb:
         """
         t = self._open()
         xp = self._xp
-        local_bad = not (bool(xp.isfinite(self._m_next).all()) and bool(xp.isfinite(self._v_next).all()))
+        # NaN and Inf propagate into a sum: one reduction per buffer, no boolean temporaries.
+        local_bad = not bool(xp.isfinite(xp.sum(self._m_next)) & xp.isfinite(xp.sum(self._v_next)))
         try:
             _, idx = self.comm.masked_allreduce(self._m_next, t, local_nonfinite=local_bad)
         except NonFiniteError as e:
@@ -321,33 +323,54 @@ class Slamb:
         b1, b2 = self.betas
         P = self.comm.size
         dt = lay.dtype.type
+        m, v, u, tmp = self._m_next, self._v_next, self._u, self._tmp
 
-        # Freshness: f = b3 f, then 1 on M_t.  (Computed into a new array: commit at the end.)
-        f = self.f * dt(self.beta3)
+        # Freshness: f = b3 f, then 1 on M_t (in place: nothing below can fail before the commit).
+        f = self.f
+        f *= dt(self.beta3)
         f[idx] = 1
-        # Adam direction with bias correction.
-        mhat = self._m_next / dt(1.0 - b1**t)
-        denom = xp.sqrt(self._v_next / dt(1.0 - b2**t))
-        denom += dt(self.eps)
-        u = mhat / denom
-        if any(wd):
-            u += self._expand(xp, wd) * flat
-        # Per-tensor trust ratios over the fresh (S = M_t, where f == 1) and stale (A) elements.
-        fresh = xp.zeros(lay.total, dtype=bool)
-        fresh[idx] = True
-        x2, u2 = flat * flat, u * u
-        xs, us = self._seg_norms(xp, x2 * fresh), self._seg_norms(xp, u2 * fresh)
-        xa, ua = self._seg_norms(xp, x2 * ~fresh), self._seg_norms(xp, u2 * ~fresh)
-        phi_s = self._trust(xp, xs, us)
-        phi_a = self._trust(xp, xa, ua)
-        lr_e = self._expand(xp, lr)
-        rate = lr_e * (self._repeat(xp, phi_s) * f + self._repeat(xp, phi_a) * (1 - f) / dt(math.sqrt(P)))
-        rate *= u
-        flat -= rate
+        # Adam direction u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd x, in the
+        # order of the formula (the same float rounding as a plain implementation).
+        xp.divide(v, dt(1.0 - b2**t), out=u)
+        xp.sqrt(u, out=u)
+        u += dt(self.eps)
+        xp.divide(m, dt(1.0 - b1**t), out=tmp)
+        xp.divide(tmp, u, out=u)
+        views = lay.segments()
+        for (o, n), w in zip(views, wd):
+            if w and n:
+                xp.multiply(flat[o : o + n], dt(w), out=tmp[o : o + n])
+                u[o : o + n] += tmp[o : o + n]
+        # Per-tensor squared norms, accumulated in float64: everything, and the fresh set S = M_t (from the
+        # gathered |M_t| values); the stale set A is the difference (accumulated in float64).
+        x_all = np.array([float(xp.einsum("i,i->", flat[o : o + n], flat[o : o + n], dtype=np.float64))
+                          for o, n in views])
+        u_all = np.array([float(xp.einsum("i,i->", u[o : o + n], u[o : o + n], dtype=np.float64)) for o, n in views])
+        seg = self._segments_of(xp, idx)
+        xs, us = flat[idx].astype(np.float64), u[idx].astype(np.float64)
+        x_s = _arr.to_host(xp.bincount(seg, weights=xs * xs, minlength=len(lay)))
+        u_s = _arr.to_host(xp.bincount(seg, weights=us * us, minlength=len(lay)))
+        n_s = _arr.to_host(xp.bincount(seg, minlength=len(lay)))
+        x_a, u_a = np.maximum(x_all - x_s, 0.0), np.maximum(u_all - u_s, 0.0)
+        phi_s = self._trust(np.sqrt(x_s), np.sqrt(u_s))
+        phi_a = self._trust(np.sqrt(x_a), np.sqrt(u_a))
+        # x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, per tensor.
+        tmp2 = self._tmp2
+        for i, (o, n) in enumerate(views):
+            if n == 0:
+                continue
+            xi, ui, fi, ti = flat[o : o + n], u[o : o + n], f[o : o + n], tmp[o : o + n]
+            xp.multiply(fi, dt(lr[i] * phi_s[i]), out=ti)
+            if n_s[i] < n:  # some stale elements (where all are fresh, 1 - f == 0)
+                t2 = tmp2[o : o + n]
+                xp.subtract(dt(1), fi, out=t2)
+                t2 *= dt(lr[i] / math.sqrt(P) * phi_a[i])
+                ti += t2
+            ti *= ui
+            xi -= ti
         # Commit the step (moments, freshness, step count) before the sync, which may raise.
         self.m, self._m_next = self._m_next, self.m
         self.v, self._v_next = self._v_next, self.v
-        self.f = f
         self.t = t
         self._t_open = None
         self._idx = self._pos = None
@@ -378,7 +401,7 @@ class Slamb:
                         f"got {g.shape} {g.dtype.name}"
                     )
                 self._ensure_state(_arr.namespace(g))
-                self._accumulate_all(g)
+                self._moments(slice(0, self.layout.total), g)
         except Exception:
             self.abort_step()
             raise
@@ -394,28 +417,13 @@ class Slamb:
         return self.apply(x, lr=lr, weight_decay=weight_decay)
 
     # ------------------------------------------------------------------ helpers
-    def _expand(self, xp, per_tensor):
-        """A per-tensor list of scalars as a per-element array (cached by value)."""
-        key = (xp.__name__, tuple(per_tensor))
-        if self._expanded[0] != key:
-            per = np.repeat(np.asarray(per_tensor, dtype=self.layout.dtype), self.layout.sizes)
-            self._expanded = (key, xp.asarray(per))
-        return self._expanded[1]
+    def _segments_of(self, xp, idx):
+        """The tensor index of every position in ``idx``."""
+        starts = xp.asarray(np.asarray(self.layout.offsets, dtype=np.int64))
+        return xp.searchsorted(starts, idx, side="right") - 1
 
-    def _seg_norms(self, xp, sq):
-        """Per non-empty tensor, the square root of the sum of ``sq`` over its elements."""
-        if self._starts.size == 0:
-            return xp.zeros(0, sq.dtype)
-        if xp is np:
-            return np.sqrt(np.add.reduceat(sq, self._starts))
-        c = xp.concatenate((xp.zeros(1, sq.dtype), xp.cumsum(sq)))
-        ends = xp.asarray(self._starts + self._sizes)
-        return xp.sqrt(xp.maximum(c[ends] - c[xp.asarray(self._starts)], 0))
-
-    def _trust(self, xp, xn, un):
+    def _trust(self, xn, un):
+        """Per tensor ``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0 (host arrays)."""
         ok = (xn > 0) & (un > 0)
-        ratio = xp.where(ok, xn / xp.where(ok, un, 1), 1)
-        return xp.where(ok, xp.clip(ratio, self.c_min, self.c_max), 1).astype(self.layout.dtype)
-
-    def _repeat(self, xp, per_nonempty):
-        return xp.repeat(per_nonempty, xp.asarray(self._sizes)) if xp is not np else np.repeat(per_nonempty, self._sizes)
+        ratio = np.divide(xn, un, out=np.ones_like(xn), where=ok)
+        return np.where(ok, np.clip(ratio, self.c_min, self.c_max), 1.0)

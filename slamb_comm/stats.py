@@ -76,6 +76,8 @@ class Stats:
         self.by_kind = {}
 
     def record(self, kind, t):
+        """Add one exchange's :class:`Traffic` ``t`` under ``kind`` (public: an adapter that runs an
+        exchange itself, e.g. from gradient hooks, records it here so the numbers stay complete)."""
         self.last = t
         self.step = self.step + t
         self.total = self.total + t

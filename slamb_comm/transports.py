@@ -32,7 +32,8 @@ __all__ = ["Transport", "MPITransport", "NCCLTransport", "LocalTransport"]
 _SUPPORTED = ("float16", "float32", "float64", "int32", "int64", "uint8")
 
 
-def _check_buffer(buf):
+def check_buffer(buf):
+    """Raise unless ``buf`` is a 1-D C-contiguous array of a dtype transports move."""
     if buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError("transport buffers must be 1-D and C-contiguous")
     if buf.dtype.name not in _SUPPORTED:
@@ -64,10 +65,10 @@ class LocalTransport:
     name = "local"
 
     def allreduce(self, buf):
-        _check_buffer(buf)
+        check_buffer(buf)
 
     def allgather(self, sendbuf, recvbuf):
-        _check_buffer(sendbuf)
+        check_buffer(sendbuf)
         recvbuf[: sendbuf.size] = sendbuf
 
     def broadcast(self, buf, root=0):
@@ -159,7 +160,7 @@ class MPITransport:
         return buf, self._MPI.SUM
 
     def allreduce(self, buf):
-        _check_buffer(buf)
+        check_buffer(buf)
         if is_cupy(buf) and not self.cuda_aware:
             host = buf.get()
             self.allreduce(host)
@@ -170,8 +171,8 @@ class MPITransport:
         self.comm.Allreduce(self._MPI.IN_PLACE, spec, op=op)
 
     def allgather(self, sendbuf, recvbuf):
-        _check_buffer(sendbuf)
-        _check_buffer(recvbuf)
+        check_buffer(sendbuf)
+        check_buffer(recvbuf)
         if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
             raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
         if is_cupy(sendbuf) and not self.cuda_aware:
@@ -184,7 +185,7 @@ class MPITransport:
         self.comm.Allgather(sendbuf.view(np.uint8), recvbuf.view(np.uint8))
 
     def broadcast(self, buf, root=0):
-        _check_buffer(buf)
+        check_buffer(buf)
         if is_cupy(buf) and not self.cuda_aware:
             host = buf.get()
             self.comm.Bcast(host.view(np.uint8), root=root)
@@ -243,12 +244,12 @@ class NCCLTransport:
         return (self.stream or self._cp.cuda.get_current_stream()).ptr
 
     def _check(self, buf):
-        _check_buffer(buf)
+        check_buffer(buf)
         if not is_cupy(buf):
             raise TypeError("NCCLTransport moves CuPy arrays only; use MPITransport for NumPy")
 
     def _upload(self, host):
-        _check_buffer(host)
+        check_buffer(host)
         dev = self._cp.asarray(host)
         self._cp.cuda.get_current_stream().synchronize()  # the copy is done before NCCL's stream reads it
         return dev
@@ -269,7 +270,7 @@ class NCCLTransport:
 
     def allgather(self, sendbuf, recvbuf):
         if isinstance(sendbuf, np.ndarray) and isinstance(recvbuf, np.ndarray):
-            _check_buffer(recvbuf)
+            check_buffer(recvbuf)
             dev = self._cp.empty(recvbuf.size, dtype=recvbuf.dtype)
             self.allgather(self._upload(sendbuf), dev)
             self._download(dev, recvbuf)

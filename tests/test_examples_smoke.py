@@ -68,3 +68,24 @@ def test_digits_example_slamb_fp16(tmp_path):
     out = mpirun(2, "examples/train_digits.py", "--steps", "6", "--eval-every", "3", "--value-dtype", "float16",
                  "--no-progress")
     assert "summary: slamb final val loss" in out and "accuracy" in out
+
+
+def test_horovod_slamb_example_under_mpirun():
+    out = mpirun(2, "examples/horovod_slamb.py", "--steps", "6", "--log-every", "3")
+    assert "step    6" in out and "of dense" in out
+
+
+def test_horovod_slamb_example_under_horovodrun():
+    import shutil
+
+    horovodrun = shutil.which("horovodrun")
+    if horovodrun is None:
+        pytest.skip("horovodrun is not installed")
+    mpi_args = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
+    proc = subprocess.run(
+        ["timeout", "240", horovodrun, "-np", "2", f"--mpi-args={mpi_args}", sys.executable,
+         "examples/horovod_slamb.py", "--steps", "4", "--log-every", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "of dense" in proc.stdout

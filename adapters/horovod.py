@@ -1,0 +1,1127 @@
+"""Horovod + PyTorch adapter: SLAMB and sparse top-k exchange behind Horovod's optimizer API.
+
+A Horovod PyTorch script changes one line::
+
+    # before
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    # after: SLAMB (momentum exchanged on a shared random mask, ICML 2023)
+    opt = slamb_comm.adapters.horovod.DistributedOptimizer(
+        slamb_comm.adapters.horovod.SLAMB(model.parameters(), lr=1e-3, ratio=0.1),
+        named_parameters=model.named_parameters())
+    # or: keep your optimizer, exchange top-k gradients with error feedback
+    opt = slamb_comm.adapters.horovod.DistributedOptimizer(
+        torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+        compression=slamb_comm.TopK(0.01))
+
+Everything else in the script (``hvd.init()``, ``hvd.broadcast_parameters``,
+``hvd.broadcast_optimizer_state``, ``synchronize()`` / ``skip_synchronize()`` for gradient
+clipping, ``backward_passes_per_step``, lr schedulers) stays as it was.
+
+What this module holds:
+
+* :class:`HorovodTransport` -- slamb_comm's transport protocol (allreduce, allgather,
+  broadcast, barrier) on Horovod's public collectives, so a
+  :class:`slamb_comm.Communicator` can run inside a Horovod job.
+* :class:`SLAMB` -- a ``torch.optim.Optimizer``; alone it is a correct single-process
+  optimizer (ratio 1: LAMB), wrapped by :func:`DistributedOptimizer` it is SLAMB.
+* :class:`TopK` -- a ``compression=`` value selecting the error-feedback top-k gradient
+  exchange (ALGORITHM.md section 2) for any optimizer.
+* :func:`DistributedOptimizer` -- the drop-in for ``hvd.DistributedOptimizer``.
+
+Only Horovod's public API is used (``allreduce_async_``, ``allgather``, ``broadcast_``,
+``synchronize``, ``Average``/``Sum``, ``Compression``); Horovod's optimizer is neither
+copied nor patched. Like Horovod, the distributed optimizer is a class built at run time
+with ``type(name, (optimizer.__class__,), ...)``, so ``isinstance(opt, torch.optim.Adam)``
+still holds.
+
+Data types: Horovod's collectives carry no bfloat16 and no bool. bfloat16 (and float16)
+parameters and gradients are converted to float32 for the exchange and for SLAMB's
+optimizer state (moments and freshness are kept in float32); results are cast back to the
+parameter's dtype. With Horovod's own compressions, bfloat16 gradients are sent as float32
+(or float16 with ``hvd.Compression.fp16``) and cast back.
+"""
+
+import contextlib
+import itertools
+import logging
+import math
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+from slamb_comm import arrays as _arr
+from slamb_comm.codecs import Layout, check_ratio
+from slamb_comm.communicator import Communicator
+from slamb_comm.errors import ConfigError, NonFiniteError
+from slamb_comm.slamb import Slamb
+from slamb_comm.stats import Traffic, allreduce_wire
+from slamb_comm.codecs import TopK
+from slamb_comm.transports import LocalTransport, check_buffer
+
+__all__ = ["HorovodTransport", "SLAMB", "TopK", "DistributedOptimizer"]
+
+_log = logging.getLogger("slamb_comm")
+
+
+# ---------------------------------------------------------------------------- transport
+def _torch_view(buf):
+    """A torch tensor sharing memory with a NumPy (CPU) or CuPy (CUDA) buffer."""
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(buf)
+    if _arr.is_cupy(buf):
+        _arr.synchronize(buf)  # the buffer must be complete before Horovod reads it
+        return torch.from_dlpack(buf)
+    raise TypeError(f"expected a numpy or cupy array, got {type(buf).__module__}.{type(buf).__name__}")
+
+
+class HorovodTransport:
+    """slamb_comm's transport protocol over Horovod's collectives (call ``hvd.init()`` first).
+
+    Buffers are NumPy arrays (viewed as CPU tensors with ``torch.from_numpy``, no copy) or
+    CuPy arrays (viewed as CUDA tensors through DLPack; needs Horovod built with CUDA, and
+    is not exercised by this package's tests). Every collective gets a unique,
+    deterministic name ``<prefix>.<op>.<counter>``: Horovod matches tensors across ranks by
+    name, and the ranks call the collectives of one transport in the same order, so the
+    counters agree.
+
+    Horovod has no uint8 allreduce: a uint8 buffer is summed as int32 and wraps modulo 256,
+    as an MPI sum of bytes would.
+
+    Args:
+        process_set: a Horovod process set (default: all ranks).
+        prefix: name prefix of this transport's collectives (default ``slamb_comm.t<N>``,
+            N counting the transports this process created, the same on every rank when the
+            ranks create them in the same order).
+    """
+
+    name = "horovod"
+    _created = itertools.count()
+
+    def __init__(self, process_set=None, prefix=None):
+        if not hvd.is_initialized():
+            raise RuntimeError("HorovodTransport needs hvd.init() to have been called")
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        if not self.process_set.included():
+            raise ValueError("this rank is not in the given Horovod process set")
+        self.rank = int(self.process_set.rank())
+        self.size = int(self.process_set.size())
+        self.prefix = prefix if prefix is not None else f"slamb_comm.t{next(HorovodTransport._created)}"
+        self._calls = itertools.count()
+
+    def _name(self, op):
+        return f"{self.prefix}.{op}.{next(self._calls)}"
+
+    def allreduce(self, buf):
+        """In place: the element-wise sum over ranks."""
+        check_buffer(buf)
+        t = _torch_view(buf)
+        if t.dtype == torch.uint8:
+            wide = t.to(torch.int32)
+            hvd.allreduce_(wide, op=hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
+            t.copy_(wide.remainder_(256).to(torch.uint8))
+            return
+        hvd.allreduce_(t, op=hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
+
+    def allgather(self, sendbuf, recvbuf):
+        """``recvbuf[r * n:(r + 1) * n]`` = rank r's ``sendbuf`` (n = ``sendbuf.size``)."""
+        check_buffer(sendbuf)
+        check_buffer(recvbuf)
+        if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
+            raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
+        out = hvd.allgather(_torch_view(sendbuf), name=self._name("allgather"), process_set=self.process_set)
+        _torch_view(recvbuf).copy_(out.reshape(-1))
+
+    def broadcast(self, buf, root=0):
+        """In place: every rank gets ``root``'s buffer."""
+        check_buffer(buf)
+        if not 0 <= int(root) < self.size:
+            raise ValueError(f"root {root} out of range for {self.size} ranks")
+        hvd.broadcast_(_torch_view(buf), int(root), name=self._name("broadcast"), process_set=self.process_set)
+
+    def barrier(self):
+        """Wait until every rank of the process set has arrived."""
+        hvd.barrier(process_set=self.process_set)
+
+
+# ---------------------------------------------------------------------------- helpers
+_RULE_KNOBS = ("betas", "eps", "beta3", "sync_interval", "c_min", "c_max", "on_nonfinite")
+_COMM_KNOBS = ("ratio", "mask", "value_dtype", "dense_threshold", "seed")
+_MASKS = ("cyclic", "bernoulli", "topk")
+
+
+def _state_dtype(dtype):
+    """The dtype slamb_comm computes in for parameters of ``dtype``: 16-bit -> float32."""
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.float32
+    raise TypeError(f"slamb_comm cannot optimise parameters of dtype {dtype}")
+
+
+def _np_dtype(tdtype):
+    return np.dtype({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}[tdtype])
+
+
+def _torch_dtype(npdtype):
+    return {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}[np.dtype(npdtype).name]
+
+
+def _as_compute(t, dtype):
+    """``t`` (detached) as a contiguous tensor of ``dtype``; no copy when it already is one."""
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def _array(t):
+    """A NumPy/CuPy view of a contiguous tensor."""
+    return _arr.as_array(t)
+
+
+def _tensor_of(a):
+    """A torch view of a NumPy/CuPy array."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+def _check_named_parameters(named_parameters, param_groups):
+    """Horovod's checks: (name, tensor) tuples, unique names, every parameter named."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [
+            (f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(param_groups) for j, v in enumerate(g["params"])
+        ]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), "
+            "usually produced by model.named_parameters()."
+        )
+    seen, dups = set(), set()
+    for k, _ in named_parameters:
+        (dups if k in seen else seen).add(k)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         "Found duplicates: %s" % ", ".join(sorted(dups)))
+    all_ids = {id(v) for g in param_groups for v in g["params"]}
+    named_ids = {id(v) for _, v in named_parameters}
+    unnamed = all_ids - named_ids
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed))
+        )
+    names = {}
+    for k, v in named_parameters:
+        names.setdefault(id(v), k)
+    return names
+
+
+def _saved_state_by_param(optimizer, state_dict):
+    """The raw per-parameter state of ``state_dict`` keyed by this optimizer's parameters
+    (torch's own mapping: saved ids, in order, onto the current groups' parameters)."""
+    saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+    current = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(saved) != len(current):
+        raise ValueError("loaded state dict has a different number of parameters")
+    return {p: state_dict["state"][i] for i, p in zip(saved, current) if i in state_dict["state"]}
+
+
+# ---------------------------------------------------------------------------- SLAMB
+class _Engine:
+    """The parameters of one (device, dtype, hyper-parameter) bucket: one Communicator and
+    one :class:`slamb_comm.slamb.Slamb` over their fused layout."""
+
+    __slots__ = (
+        "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
+        "open", "pos", "mviews", "wire", "launched", "encode_s", "payload",
+    )
+
+    def __init__(self, key, params, groups, names, dtype):
+        self.key = key
+        self.params = params
+        self.index = {p: i for i, p in enumerate(params)}
+        self.groups = groups
+        self.names = names
+        self.dtype = dtype
+        self.np_dtype = _np_dtype(dtype)
+        self.comm = self.rule = None
+        self.open = False
+        self.pos = self.mviews = None
+        self.wire = None
+        self.launched = {}
+        self.encode_s = 0.0
+        self.payload = 0
+
+
+class SLAMB(torch.optim.Optimizer):
+    r"""SLAMB (Xu et al., ICML 2023) as a ``torch.optim.Optimizer``: LAMB with sparse momentum.
+
+    Alone (no :func:`DistributedOptimizer`), in one process, it is the SLAMB rule with
+    P = 1, which is LAMB with the freshness machinery (with ``ratio=1`` exactly LAMB).
+    Wrapped by :func:`DistributedOptimizer` inside a Horovod job it is SLAMB over all ranks:
+    each rank keeps its own moments from its *local* gradient; per step only the momentum
+    entries on a shared mask M_t (a ``ratio`` fraction of each large tensor, all of every
+    small or 1-D tensor) are averaged over the ranks, stale entries move with a rate that
+    slides from ``lr`` to ``lr / sqrt(P)`` by their freshness, and the parameters are
+    averaged every ``sync_interval`` steps. The math is ALGORITHM.md section 1, computed by
+    :class:`slamb_comm.slamb.Slamb` on fused flat buffers.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer. Every option
+            below can be set per group; ``lr`` and ``weight_decay`` are read from the
+            groups at every step (lr schedulers work).
+        lr: learning rate (the large-batch rate of fresh elements).
+        betas: ``(beta1, beta2)`` of the moments (bias-corrected).
+        eps: added to ``sqrt(vhat)``.
+        weight_decay: decoupled weight decay inside the LAMB direction.
+        ratio: k, the fraction of each large tensor's momentum exchanged per step.
+        beta3: freshness decay; stale element i moves with
+            ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
+        sync_interval: H; parameters are averaged over ranks after steps 1, H+1, 2H+1, ...
+        mask: ``'cyclic'`` (default; every element exchanged once every ceil(1/k) steps),
+            ``'bernoulli'`` or ``'topk'`` (union of the ranks' largest momenta; its exchange
+            waits for the whole backward pass).
+        value_dtype: ``'float32'`` or ``'float16'`` payload of the momentum exchange
+            (16 bits halve the bytes).
+        c_min, c_max: clamp of the layer-wise trust ratios.
+        dense_threshold: tensors with ndim <= 1 or fewer elements are exchanged whole.
+        seed: seed of the shared mask; rank 0's value is used by every rank.
+        on_nonfinite: ``'skip'`` (default, like AMP's grad scaler): a step with a NaN or Inf
+            gradient on any rank is skipped by every rank (logged on logger ``slamb_comm``,
+            counted in :attr:`skipped_steps`); ``'raise'``: every rank raises
+            :class:`slamb_comm.NonFiniteError`. Either way no state changes.
+
+    Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
+    (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
+
+    State: per parameter ``exp_avg`` (m), ``exp_avg_sq`` (v), ``freshness`` (f) -- float32
+    views (float64 for float64 parameters) into SLAMB's fused buffers, live between
+    steps -- ``step`` (a float32 tensor) and ``mask_seed`` (int). ``state_dict()`` and
+    ``load_state_dict()`` round-trip exactly, so a resumed run is bitwise the run that was
+    interrupted. The state exists from construction on (zeros, freshness 1, step 0), so
+    ``hvd.broadcast_optimizer_state`` never needs the zero-gradient ``step()`` it uses to
+    create state: it copies rank 0's state and does not advance the step count.
+
+    Data types: float32 and float64 parameters are updated in place; float16 and bfloat16
+    parameters are updated through a float32 copy and cast back (Horovod has no bfloat16;
+    the exchange is float32 or float16 per ``value_dtype``). Parameters with
+    ``requires_grad=False`` are not optimised. A parameter whose gradient is ``None`` at a
+    step counts as a zero gradient (its moments decay and it still moves), unless no
+    parameter of its bucket has a gradient, in which case the bucket skips the step.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.0,
+        ratio=0.1,
+        beta3=0.99,
+        sync_interval=100,
+        mask="cyclic",
+        value_dtype="float32",
+        c_min=0.01,
+        c_max=1000.0,
+        dense_threshold=9000,
+        seed=0,
+        on_nonfinite="skip",
+    ):
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, ratio=ratio, beta3=beta3,
+            sync_interval=sync_interval, mask=mask, value_dtype=value_dtype, c_min=c_min, c_max=c_max,
+            dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
+        )
+        self._check_options(defaults)
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            self._check_options(g)
+        self._slamb_transport = getattr(self, "_slamb_transport", None)
+        self._slamb_names = getattr(self, "_slamb_names", None)
+        self._engines = None
+        if not getattr(self, "_slamb_defer_build", False):
+            self._build_engines()
+
+    # ------------------------------------------------------------------ options
+    @staticmethod
+    def _check_options(g):
+        if not (isinstance(g["lr"], (int, float)) and g["lr"] >= 0):
+            raise ConfigError(f"lr must be a number >= 0, got {g['lr']!r}")
+        b = g["betas"]
+        if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {b!r}")
+        if not float(g["eps"]) >= 0:
+            raise ConfigError(f"eps must be >= 0, got {g['eps']!r}")
+        if not float(g["weight_decay"]) >= 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {g['weight_decay']!r}")
+        check_ratio(g["ratio"])
+        if not 0.0 <= float(g["beta3"]) < 1.0:
+            raise ConfigError(f"beta3 must be in [0, 1), got {g['beta3']!r}")
+        h = g["sync_interval"]
+        if isinstance(h, bool) or int(h) != h or h < 1:
+            raise ConfigError(f"sync_interval must be an integer >= 1, got {g['sync_interval']!r}")
+        if g["mask"] not in _MASKS:
+            raise ConfigError(f"unknown mask {g['mask']!r}; choose one of {list(_MASKS)}")
+        _arr.value_dtype(g["value_dtype"])
+        if not 0.0 < float(g["c_min"]) <= float(g["c_max"]):
+            raise ConfigError(f"need 0 < c_min <= c_max, got {g['c_min']!r}, {g['c_max']!r}")
+        if int(g["dense_threshold"]) < 0:
+            raise ConfigError(f"dense_threshold must be >= 0, got {g['dense_threshold']!r}")
+        if g["on_nonfinite"] not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {g['on_nonfinite']!r}")
+        if g["seed"] is not None and int(g["seed"]) != g["seed"]:
+            raise ConfigError(f"seed must be an integer or None, got {g['seed']!r}")
+
+    @staticmethod
+    def _knobs(g):
+        rule = (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["beta3"]), int(g["sync_interval"]),
+                float(g["c_min"]), float(g["c_max"]), g["on_nonfinite"])
+        comm = (check_ratio(g["ratio"]), g["mask"], _arr.value_dtype(g["value_dtype"]).name, int(g["dense_threshold"]),
+                None if g["seed"] is None else int(g["seed"]))
+        return rule, comm
+
+    def add_param_group(self, param_group):
+        """Add a parameter group (options default to the constructor's); SLAMB's buckets are
+        rebuilt, keeping the existing state, at the next step (collectively under Horovod)."""
+        super().add_param_group(param_group)
+        self._check_options(self.param_groups[-1])
+        if getattr(self, "_engines", None) is not None:
+            self._engines = "stale"  # rebuilt (keeping the state) at the next step
+
+    # ------------------------------------------------------------------ engines
+    def _build_engines(self, ages=None):
+        """Bucket the parameters by (device, compute dtype, options, step count) and build one
+        Communicator + Slamb per bucket, keeping existing state. Collective under Horovod."""
+        old = getattr(self, "_built", None) or []
+        saved = {p: dict(self.state[p]) for e in old for p in e.params}
+        if ages is None:
+            ages = {p: int(float(st["step"])) for p, st in saved.items()}
+        transport = self._slamb_transport if self._slamb_transport is not None else LocalTransport()
+        buckets = {}
+        for gi, g in enumerate(self.param_groups):
+            rule_k, comm_k = self._knobs(g)
+            for j, p in enumerate(g["params"]):
+                if not p.requires_grad:
+                    continue
+                dt = _state_dtype(p.dtype)
+                # parameters that already have state at another step (added by add_param_group)
+                # cannot share a bucket, whose step count is one
+                age = ages.get(p, 0)
+                key = (str(p.device), str(dt), rule_k, comm_k, age)
+                buckets.setdefault(key, []).append((p, g, j, gi))
+        engines = []
+        for key, items in buckets.items():
+            params = [p for p, _, _, _ in items]
+            groups = [g for _, g, _, _ in items]
+            names = [
+                (self._slamb_names or {}).get(id(p), f"group{gi}.{j}") for p, _, j, gi in items
+            ]
+            e = _Engine(key, params, groups, names, _state_dtype(params[0].dtype))
+            g0 = groups[0]
+            layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
+                            dense_threshold=int(g0["dense_threshold"]))
+            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"],
+                                  value_dtype=g0["value_dtype"], seed=g0["seed"],
+                                  dense_threshold=int(g0["dense_threshold"]))
+            e.wire = e.comm.value_dtype
+            e.rule = Slamb(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
+                           weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
+                           sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
+                           on_nonfinite=g0["on_nonfinite"])
+            xp = _arr.namespace(_arr.as_array(torch.empty(1, dtype=e.dtype, device=params[0].device)))
+            self._import_state(e, {p: saved[p] for p in params if p in saved}, xp)
+            engines.append(e)
+        self._engines = self._built = engines
+
+    def _ensure_engines(self):
+        if not isinstance(self._engines, list):
+            self._build_engines()
+        return self._engines
+
+    def _import_state(self, e, raw, xp=None):
+        """Load ``raw`` (param -> saved state dict) into engine ``e`` exactly; fresh state if empty."""
+        lay = e.comm.layout
+        if xp is None:
+            xp = e.rule.xp or np
+        comm_state = e.comm.state_dict()
+        missing = [n for p, n in zip(e.params, e.names) if p not in raw or "exp_avg" not in raw[p]]
+        if len(missing) == len(e.params):
+            d = {"step": 0, "m": np.zeros(lay.total, e.np_dtype), "v": np.zeros(lay.total, e.np_dtype),
+                 "f": np.ones(lay.total, e.np_dtype), "comm": comm_state}
+        else:
+            have = [p for p in e.params if p in raw and "exp_avg" in raw[p]]
+            steps = {int(float(raw[p]["step"])) for p in have}
+            if len(steps) != 1 or (missing and steps != {0}):
+                raise ValueError(f"the SLAMB state to load mixes step counts {sorted(steps)} in one bucket"
+                                 + (f" or lacks parameter(s) {missing[:5]}" if missing else ""))
+            wide = torch.float64 if e.np_dtype == np.float64 else torch.float32
+            have_ids = {id(p) for p in have}
+
+            def flat(key, fresh):
+                return np.concatenate([
+                    torch.as_tensor(raw[p][key]).detach().to("cpu", wide).reshape(-1).numpy()
+                    if id(p) in have_ids else np.full(n, fresh, e.np_dtype)
+                    for p, n in zip(e.params, lay.sizes)
+                ]).astype(e.np_dtype, copy=False)
+
+            seed = raw[have[0]].get("mask_seed", comm_state["seed"])
+            comm_state["seed"] = int(seed)
+            d = {"step": steps.pop(), "m": flat("exp_avg", 0.0), "v": flat("exp_avg_sq", 0.0),
+                 "f": flat("freshness", 1.0), "comm": comm_state}
+        e.rule.load_state_dict(d, xp=xp)
+        self._publish(e)
+
+    def _publish(self, e):
+        """Point each parameter's torch state at the committed fused buffers (no copy)."""
+        r, lay = e.rule, e.comm.layout
+        for p, (o, n), shape in zip(e.params, lay.segments(), lay.shapes):
+            st = self.state[p]
+            st["step"] = torch.tensor(float(r.t))
+            st["exp_avg"] = _tensor_of(r.m[o:o + n]).view(shape)
+            st["exp_avg_sq"] = _tensor_of(r.v[o:o + n]).view(shape)
+            st["freshness"] = _tensor_of(r.f[o:o + n]).view(shape)
+            st["mask_seed"] = int(e.comm.seed)
+
+    def _pull(self, e):
+        """Before a step: take in what was written into the torch state since the last step
+        (``hvd.broadcast_optimizer_state`` overwrites step and seed; the moment tensors are
+        live views). Also refresh the options read from the groups."""
+        st = self.state[e.params[0]]
+        t, seed = int(float(st["step"])), int(st["mask_seed"])
+        same_views = st["exp_avg"].data_ptr() == _tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
+        if t != e.rule.t or seed != e.comm.seed or not same_views:
+            self._import_state(e, {p: self.state[p] for p in e.params})
+        rule_k, comm_k = self._knobs(e.groups[0])
+        for g in e.groups[1:]:
+            if self._knobs(g)[0] != rule_k:
+                raise ConfigError("parameter groups that share a SLAMB bucket now disagree on betas/eps/beta3/"
+                                  "sync_interval/c_min/c_max; change them for every group at once")
+        for g in e.groups:
+            c = self._knobs(g)[1]
+            if c[:4] != e.key[3][:4]:
+                raise ConfigError("ratio, mask, value_dtype and dense_threshold are fixed at construction "
+                                  f"(built with {e.key[3][:4]}, the group now says {c[:4]})")
+        r = e.rule
+        r.betas, r.eps, r.beta3, r.sync_interval, r.c_min, r.c_max, r.on_nonfinite = rule_k
+
+    def _lr_wd(self, e):
+        return [float(g["lr"]) for g in e.groups], [float(g["weight_decay"]) for g in e.groups]
+
+    def _param_arrays(self, e):
+        """The parameters as arrays of the engine's dtype: views, or copies for 16-bit ones."""
+        xs = [_as_compute(p, e.dtype) for p in e.params]
+        return xs, [_array(x) for x in xs]
+
+    @staticmethod
+    def _write_back(e, xs):
+        for p, x in zip(e.params, xs):
+            if x.data_ptr() != p.data_ptr():
+                p.data.copy_(x)
+
+    def _grad_array(self, p, e):
+        if p.grad is None:
+            return _arr.as_array(torch.zeros(p.shape, dtype=e.dtype, device=p.device)), None
+        g = _as_compute(p.grad, e.dtype)
+        return _array(g), g
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SLAMB step of every parameter (in a single process: P = 1)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for e in self._ensure_engines():
+            if all(p.grad is None for p in e.params):
+                continue
+            self._pull(e)
+            grads = [self._grad_array(p, e)[0] for p in e.params]
+            xs, arrs = self._param_arrays(e)
+            lr, wd = self._lr_wd(e)
+            e.rule.step(arrs, grads, lr=lr, weight_decay=wd)
+            self._write_back(e, xs)
+            self._publish(e)
+        return loss
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output exactly (moments stay in their saved precision)."""
+        raw = _saved_state_by_param(self, state_dict)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            self._check_options(g)
+        engines = self._ensure_engines()
+        ages = {p: int(float(st["step"])) for p, st in raw.items() if "step" in st}
+        if any(self._knobs(g)[1][:4] != e.key[3][:4] for e in engines for g in e.groups) or any(
+            len({ages.get(p, 0) for p in e.params}) > 1 for e in engines
+        ):
+            self._build_engines(ages)  # the checkpoint's buckets differ from ours
+            engines = self._engines
+        for e in engines:
+            self._import_state(e, {p: raw[p] for p in e.params if p in raw})
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def skipped_steps(self):
+        """Steps skipped (on every rank alike) for non-finite gradients, with ``on_nonfinite='skip'``."""
+        return max((e.rule.skipped_steps for e in self._ensure_engines()), default=0)
+
+    @property
+    def communicators(self):
+        """The :class:`slamb_comm.Communicator` of every parameter bucket (for statistics)."""
+        return [e.comm for e in self._ensure_engines()]
+
+    def step_traffic(self):
+        """Bytes of the step just finished (summed over buckets), and start counting anew:
+        a :class:`slamb_comm.Traffic` whose ``payload_bytes`` / ``dense_payload_bytes`` read as
+        "this step moved x of the y bytes a dense allreduce would have"."""
+        total = Traffic()
+        for c in self.communicators:
+            total = total + c.stats.new_step()
+        return total
+
+
+class _Bf16Safe:
+    """Wraps a Horovod compressor so bfloat16 gradients travel as float32 (Horovod has no bf16)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def compress(self, tensor):
+        if tensor.dtype == torch.bfloat16:
+            t, ctx = self.inner.compress(tensor.float())
+            return t, (ctx, torch.bfloat16)
+        t, ctx = self.inner.compress(tensor)
+        return t, (ctx, None)
+
+    def decompress(self, tensor, ctx):
+        inner, dt = ctx
+        out = self.inner.decompress(tensor, inner)
+        return out.to(dt) if dt is not None else out
+
+
+# ---------------------------------------------------------------------------- shared mixin parts
+_TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+             "Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+              "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+def _register_hooks(opt):
+    opt._hook_handles = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.requires_grad:
+                opt._requires_update.append(p)
+                opt._hook_handles.append(p.register_post_accumulate_grad_hook(opt._make_hook(p)))
+
+
+# ---------------------------------------------------------------------------- distributed SLAMB
+class _DistributedSlamb(torch.optim.Optimizer):
+    """Methods of the class :func:`DistributedOptimizer` builds around a :class:`SLAMB`.
+
+    Per step, each parameter's gradient hook (after ``backward_passes_per_step`` passes)
+    updates that parameter's local moments and launches ``hvd.allreduce_async_`` (Average)
+    of its momentum entries on the shared mask M_t, so the exchange overlaps the rest of the
+    backward pass. ``synchronize()`` waits for them (submitting zeros for parameters that got
+    no gradient on this rank, so no rank waits forever) and writes the means back;
+    ``step()`` applies freshness, trust ratios, the update and the periodic parameter sync.
+
+    Gradient clipping between ``synchronize()`` and ``step()`` (under ``skip_synchronize()``)
+    works: if any rank changed its gradients after its hooks consumed them, every rank
+    recomputes its moments from the changed gradients and redoes the exchange (one more
+    masked allreduce on such steps; a 1-element allreduce decides it on steps with an
+    explicit ``synchronize()``). Unlike Horovod, ``p.grad`` is not replaced by a mean: SLAMB
+    exchanges momenta, and each rank's gradients stay local.
+    """
+
+    def __init__(self, params, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                 process_set):
+        self._slamb_transport = HorovodTransport(process_set)
+        self._slamb_names = names
+        self._slamb_defer_build = True
+        super(self.__class__, self).__init__(params)
+        if compression is hvd.Compression.fp16:
+            for g in self.param_groups:
+                g["value_dtype"] = "float16"
+        self.process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self._build_engines()
+        self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
+        self._requires_update = []
+        self._allreduce_delay = {}
+        self._consumed = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._nonfinite = None
+        self._exchanges = itertools.count()
+        _register_hooks(self)
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
+
+    def add_param_group(self, param_group):
+        """Only during construction: the hooks and buckets of a distributed SLAMB are fixed."""
+        if getattr(self, "_where", None) is not None:
+            raise NotImplementedError("add parameter groups to the SLAMB optimizer before wrapping it in "
+                                      "DistributedOptimizer")
+        super(self.__class__, self).add_param_group(param_group)
+
+    # -------------------------------------------------------------- hooks
+    def set_backward_passes_per_step(self, passes):
+        """Change the number of backward passes accumulated per step (as in Horovod)."""
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _make_hook(self, p):
+        def hook(param):
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY)
+            self._allreduce_delay[p] -= 1
+            self._synchronized = False  # a new backward pass (e.g. after a step GradScaler skipped)
+            self._nonfinite = None
+            if self._allreduce_delay[p] == 0:
+                self._launch(p)
+        return hook
+
+    def _begin(self, e):
+        if isinstance(self._engines, str):
+            raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
+        self._pull(e)
+        t = e.rule.begin_step()
+        e.open = True
+        e.launched = {}
+        e.encode_s = 0.0
+        e.payload = 0
+        e.mviews = e.rule.momentum_views()
+        e.pos = None if e.key[3][1] == "topk" else e.rule.mask_positions(t)
+        e.wire = e.comm.value_dtype
+
+    def _launch(self, p, redo=False):
+        """Local moments of ``p`` from its gradient, and (except for the topk mask) the async
+        Average of its momentum entries on M_t."""
+        e, i = self._where[p]
+        if not e.open:
+            self._begin(e)
+        t0 = time.perf_counter()
+        g, gt = self._grad_array(p, e)
+        self._consumed[p] = None if p.grad is None else (id(p.grad), p.grad._version)
+        e.rule.accumulate(i, g)
+        if e.pos is None:
+            e.launched[p] = None
+            return
+        m = e.mviews[i].reshape(-1)
+        pos = e.pos[i]
+        xp = _arr.namespace(m)
+        buf = torch.empty(int(pos.size) + 1, dtype=_torch_dtype(e.wire), device=p.device)
+        vals = m if pos.size == m.size else m[pos]
+        buf[:-1].copy_(_tensor_of(xp.ascontiguousarray(vals)))
+        # Status slot: 0, or inf if this rank's gradient (or its square, in v) is not finite.
+        # Computed on the device, without a host read; the Average makes it inf everywhere.
+        if gt is not None and gt.numel():
+            lim = math.sqrt(float(np.finfo(e.np_dtype).max))
+            bad = (gt.abs().amax() >= lim) | torch.isnan(gt).any()
+            buf[-1:].copy_(torch.where(bad, math.inf, 0.0).reshape(1))
+        else:
+            buf[-1] = 0.0
+        if self.op == hvd.Average:
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            pre, post = 1.0, 1.0
+        name = f"slamb_comm.momentum.{e.names[i]}" + (".redo" if redo else "")
+        handle = hvd.allreduce_async_(buf, name=name, op=hvd.Average, prescale_factor=pre, postscale_factor=post,
+                                      process_set=self.process_set)
+        e.launched[p] = (handle, buf)
+        e.payload += buf.numel() * buf.element_size()
+        e.encode_s += time.perf_counter() - t0
+
+    def _finish_exchange(self):
+        """Wait for every launched exchange and write the means back.
+
+        Non-finite values on any rank (seen by every rank alike, through the status slot or
+        the averaged values) abandon the step on every rank, fill the affected gradients
+        with NaN -- as Horovod's averaged gradients would be -- so that an AMP GradScaler
+        skips the step on every rank, and make the next ``step()`` raise NonFiniteError.
+        """
+        t1 = time.perf_counter()
+        flags, results, failed = [], [], []
+        for e in self._engines:
+            if e.open and e.pos is not None:
+                for p, (handle, buf) in e.launched.items():
+                    out = hvd.synchronize(handle)
+                    results.append((e, p, out))
+                    flags.append(torch.isfinite(out).all())
+        for e in self._engines:
+            if e.open and e.pos is None:  # topk mask: the core's fused exchange, after all moments
+                try:
+                    e.rule.exchange()
+                except NonFiniteError as err:  # raised on every rank; the core abandoned the step
+                    e.open = False
+                    failed.append((e, err))
+        t2 = time.perf_counter()
+        bad = []
+        if flags and not bool(torch.stack(flags).all()):
+            bad = [(e, p) for e, p, out in results if not bool(torch.isfinite(out).all())]
+        if bad or failed:
+            bad += [(e, p) for e, _ in failed for p in e.params]
+            names = [e.names[e.index[p]] for e, p in bad]
+            self._abort()
+            with torch.no_grad():
+                for _, p in bad:
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+            self._nonfinite = NonFiniteError(
+                f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
+                "the step was abandoned on every rank and no state was changed", (), names)
+            return
+        for e, p, out in results:
+            i = e.index[p]
+            m = e.mviews[i].reshape(-1)
+            vals = _arr.as_array(out[:-1].to(e.dtype))
+            if e.pos[i].size == m.size:
+                m[...] = vals
+            else:
+                m[e.pos[i]] = vals
+        t3 = time.perf_counter()
+        for e in self._engines:
+            if e.open and e.pos is not None:
+                lay = e.comm.layout
+                dense = lay.total * lay.dtype.itemsize
+                sent = sum(int(x.size) for x in e.pos)
+                e.comm.stats.record("masked_allreduce", Traffic(
+                    1, e.payload, allreduce_wire(e.payload, e.comm.size), dense, allreduce_wire(dense, e.comm.size),
+                    sent, lay.total, e.encode_s, t2 - t1, t3 - t2))
+                e.launched = {}
+
+    def _abort(self):
+        for e in self._engines:
+            if e.open:
+                e.rule.abort_step()
+                e.open = False
+                e.launched = {}
+        self._consumed = {}
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+
+    def synchronize(self):
+        """Finish this step's momentum exchange (every rank submits every tensor)."""
+        missing = [p for p in self._requires_update
+                   if not (self._where[p][0].open and p in self._where[p][0].launched)]
+        for p in missing:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._launch(p)
+        self._finish_exchange()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def _redo_if_grads_changed(self):
+        """After an explicit synchronize(): if any rank changed a gradient its hooks had used
+        (clipping, unscaling), every rank recomputes its moments and redoes the exchange."""
+        changed = any(
+            (None if p.grad is None else (id(p.grad), p.grad._version)) != self._consumed.get(p)
+            for p in self._requires_update
+        )
+        flag = torch.tensor([1 if changed else 0], dtype=torch.int32)
+        hvd.allreduce_(flag, op=hvd.Sum, name=f"slamb_comm.regrad.{next(self._exchanges)}",
+                       process_set=self.process_set)
+        if int(flag[0]) == 0:
+            return
+        for e in self._engines:
+            e.launched = {}
+            e.payload = 0
+        for p in self._requires_update:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._launch(p, redo=True)
+        self._finish_exchange()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish the exchange (unless already synchronized) and apply the SLAMB update."""
+        explicit = self._synchronized
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC)
+        if not self._synchronized:
+            self.synchronize()
+        elif explicit and self._nonfinite is None:
+            self._redo_if_grads_changed()
+        self._synchronized = False
+        if self._nonfinite is not None:
+            err, self._nonfinite = self._nonfinite, None
+            if any(e.rule.on_nonfinite == "raise" for e in self._engines):
+                raise err
+            for e in self._engines:
+                e.rule.skipped_steps += 1
+            _log.warning("slamb_comm: step skipped on every rank: %s", err)
+            return None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for e in self._engines:
+            if not e.open:
+                continue
+            xs, arrs = self._param_arrays(e)
+            lr, wd = self._lr_wd(e)
+            e.open = False
+            e.rule.apply(arrs, lr=lr, weight_decay=wd)
+            self._write_back(e, xs)
+            self._publish(e)
+        self._consumed = {}
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``, when exchanges are in flight."""
+        if any(d != self.backward_passes_per_step for d in self._allreduce_delay.values()):
+            raise AssertionError(_ZERO_GRAD)
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict):
+        """Abandon any step in flight, then restore the SLAMB state exactly."""
+        if any(e.open for e in self._engines):
+            self._abort()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
+
+
+# ---------------------------------------------------------------------------- distributed top-k
+class _DistributedTopK(torch.optim.Optimizer):
+    """Methods of the class :func:`DistributedOptimizer` builds for ``compression=TopK(...)``.
+
+    At ``synchronize()`` (or ``step()``), the gradients of each (device, dtype) bucket go
+    through one fused error-feedback top-k allgather (:meth:`slamb_comm.Communicator.sparse_allgather`);
+    ``p.grad`` becomes the mean over ranks of everyone's decoded top-k (times the number of
+    ranks for ``op=hvd.Sum``), then the wrapped optimizer steps. The error buffers are part
+    of ``state_dict()`` (under the extra key ``'slamb_comm_topk'``) and restore exactly.
+    """
+
+    def __init__(self, params, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                 process_set):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self.process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self._requires_update = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._pending = False
+        _register_hooks(self)
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
+        transport = HorovodTransport(process_set)
+        buckets = {}
+        for p in self._requires_update:
+            buckets.setdefault((str(p.device), str(_state_dtype(p.dtype))), []).append(p)
+        self._topk = []
+        for key, ps in buckets.items():
+            dt = _state_dtype(ps[0].dtype)
+            layout = Layout([tuple(p.shape) for p in ps], _np_dtype(dt), names=[names[id(p)] for p in ps])
+            comm = Communicator(transport, layout, ratio=compression.ratio, value_dtype=compression.value_dtype,
+                                seed=0)
+            self._topk.append((key, ps, dt, comm))
+
+    def set_backward_passes_per_step(self, passes):
+        """Change the number of backward passes accumulated per step (as in Horovod)."""
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _make_hook(self, p):
+        def hook(param):
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY)
+            self._allreduce_delay[p] -= 1
+            self._pending = True
+        return hook
+
+    @property
+    def communicators(self):
+        """The :class:`slamb_comm.Communicator` of every gradient bucket (for statistics)."""
+        return [c for _, _, _, c in self._topk]
+
+    def step_traffic(self):
+        """Bytes of the step just finished, summed over buckets (see :meth:`SLAMB.step_traffic`)."""
+        total = Traffic()
+        for c in self.communicators:
+            total = total + c.stats.new_step()
+        return total
+
+    def synchronize(self):
+        """Exchange every gradient (zeros where a rank has none) and set ``p.grad`` to the mean."""
+        for _, ps, dt, comm in self._topk:
+            grads = []
+            for p in ps:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(_array(_as_compute(p.grad, dt)))
+            try:
+                mean = comm.sparse_allgather(grads)
+            except Exception:  # raised on every rank (NonFiniteError, PeerError): start afresh
+                for p in self._allreduce_delay:
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                self._pending = False
+                raise
+            for p, m in zip(ps, mean):
+                out = _tensor_of(m)
+                if self.op == hvd.Sum:
+                    out = out * comm.size
+                out = out.to(p.grad.dtype)
+                if p.grad.is_sparse:
+                    p.grad = out.to_sparse()
+                else:
+                    p.grad.copy_(out)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._pending = False
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless under ``skip_synchronize()``), then the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``."""
+        if self._pending:
+            raise AssertionError(_ZERO_GRAD)
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        """The wrapped optimizer's state, plus this rank's error buffers under ``'slamb_comm_topk'``."""
+        sd = super(self.__class__, self).state_dict()
+        sd["slamb_comm_topk"] = [
+            {"residual": None if c.residual is None else torch.from_numpy(_arr.to_host(c.residual).copy()),
+             "seed": int(c.seed), "digest": c.state_dict()["digest"]}
+            for _, _, _, c in self._topk
+        ]
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output, error buffers included, exactly."""
+        state_dict = dict(state_dict)
+        mine = state_dict.pop("slamb_comm_topk", None)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._pending = False
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        if mine is not None:
+            if len(mine) != len(self._topk):
+                raise ValueError("the saved top-k state has a different number of buckets")
+            for (_, ps, _, c), s in zip(self._topk, mine):
+                st = c.state_dict()
+                st.update(seed=s["seed"], digest=s["digest"],
+                          residual=None if s["residual"] is None else s["residual"].numpy())
+                xp = _arr.namespace(_arr.as_array(torch.empty(1, device=ps[0].device)))
+                c.load_state_dict(st, xp=xp)
+
+
+# ---------------------------------------------------------------------------- the factory
+def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
+                         backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=hvd.global_process_set):
+    """A drop-in for ``hvd.DistributedOptimizer`` (same arguments) with slamb_comm's exchanges.
+
+    Three behaviours, chosen by the arguments:
+
+    * ``optimizer`` is a :class:`SLAMB`: SLAMB over all ranks -- masked momentum is
+      exchanged instead of gradients, launched from each parameter's gradient hook
+      (``hvd.allreduce_async_``, ``op=hvd.Average``) and finished in ``step()``.
+      ``op`` must be ``hvd.Average``; ``compression=hvd.Compression.fp16`` means
+      ``value_dtype='float16'``.
+    * ``compression`` is a :class:`TopK`: any optimizer; gradients go through the
+      error-feedback top-k exchange of ALGORITHM.md section 2, and the optimizer steps on
+      the mean (``op=hvd.Sum``: the sum).
+    * otherwise: exactly ``hvd.DistributedOptimizer(...)`` (what is returned is Horovod's
+      own object), except that bfloat16 gradients travel as float32 when the model has any.
+
+    The Horovod contract holds in the first two cases as well: unnamed, duplicate or
+    non-tuple ``named_parameters`` raise ``ValueError``; every rank submits every tensor
+    (zeros for a parameter without a gradient); ``synchronize()`` / ``skip_synchronize()``,
+    ``zero_grad()``, ``backward_passes_per_step``, ``hvd.broadcast_parameters`` and
+    ``hvd.broadcast_optimizer_state`` work. ``groups`` / ``num_groups`` are accepted and
+    ignored there (slamb_comm fuses each bucket itself); sparse gradients are exchanged
+    dense (as with ``sparse_as_dense=True``). bfloat16 is exchanged as float32: Horovod's
+    collectives carry no bfloat16 or bool.
+
+    Like Horovod, the result is an instance of a class built with
+    ``type(optimizer.__class__.__name__, (optimizer.__class__,), ...)`` sharing the
+    optimizer's ``param_groups``; use the returned object from then on.
+    """
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0 and groups is None:
+        groups = num_groups
+    slamb = isinstance(optimizer, SLAMB)
+    topk = isinstance(compression, TopK)
+    if not slamb and not topk:
+        if any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):
+            compression = _Bf16Safe(compression)
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step, op=op,
+                                        gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                                        sparse_as_dense=sparse_as_dense, process_set=process_set)
+    if slamb and topk:
+        raise ValueError("SLAMB exchanges masked momentum; a TopK compression cannot be combined with it "
+                         "(use SLAMB(mask='topk') for a top-k mask)")
+    if slamb and op != hvd.Average:
+        raise ValueError("SLAMB averages momenta: op must be hvd.Average")
+    if topk and op not in (hvd.Average, hvd.Sum):
+        raise ValueError("TopK exchange supports op=hvd.Average or hvd.Sum")
+    names = _check_named_parameters(named_parameters, optimizer.param_groups)
+    mixin = _DistributedSlamb if slamb else _DistributedTopK
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(mixin.__dict__))
+    dist = cls(optimizer.param_groups, names, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, process_set)
+    if slamb and any(e.rule.t > 0 for e in optimizer._ensure_engines()):
+        dist.load_state_dict(optimizer.state_dict())  # keep what the optimizer had (e.g. a loaded checkpoint)
+    return dist

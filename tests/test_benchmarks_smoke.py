@@ -1,0 +1,195 @@
+"""Smoke tests of the benchmarks: the OSU-style benchmark (2 ranks, tiny sizes), the
+analytic model, and the emulated cluster's set-up / tear-down (root + `ip netns` only).
+
+Everything runs in subprocesses with timeouts, as users run it.
+"""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(ROOT, "benchmarks", "cluster.py")
+
+
+def mpirun(np_, *cmd, timeout=240):
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), str(np_), str(timeout), sys.executable, *cmd],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _have_horovod():
+    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------------------- OSU benchmark
+def test_osu_benchmark_writes_csv_plots_and_table(tmp_path):
+    methods = "mpi,hvd,hvd_fp16,masked,topk" if _have_horovod() else "mpi,masked,topk"
+    out_csv = tmp_path / "osu.csv"
+    out = mpirun(2, "benchmarks/osu.py", "--sizes", "12", "--ratios", "1,0.1", "--iters", "2", "--min-iters", "2",
+                 "--warmup", "1", "--max-seconds", "0.5", "--methods", methods, "--out", str(out_csv))
+    assert "| method | payload / dense |" in out
+    rows = list(csv.DictReader(open(out_csv)))
+    assert {r["method"] for r in rows} == set(methods.split(","))
+    n = 4096
+    for r in rows:
+        assert int(r["ranks"]) == 2 and int(r["elements"]) == n and int(r["iters"]) == 2
+        assert float(r["lat_min_s"]) <= float(r["lat_median_s"]) <= float(r["lat_max_s"])
+        assert r["horovod_autotune"] == "0" and r["horovod_fusion_threshold"] and r["horovod_cycle_time"]
+    dense = next(r for r in rows if r["method"] == "mpi" and r["payload_dtype"] == "float32")
+    assert int(dense["payload_bytes"]) == 4 * n and float(dense["time_vs_dense"]) == 1.0
+    # 2 ranks: a ring allreduce puts 2 (P-1)/P = 1 x the payload on the wire
+    assert float(dense["wire_bytes"]) == 4 * n
+    # masked fp16 at k = 0.1 (always-dense rule off): one cyclic chunk (409 or 410 of 4096) + the status element
+    m16 = next(r for r in rows if r["method"] == "masked" and r["payload_dtype"] == "float16" and r["ratio"] == "0.1")
+    assert int(m16["payload_bytes"]) in (2 * 410, 2 * 411)
+    assert float(m16["encode_s"]) > 0 and float(m16["decode_s"]) > 0 and float(m16["encode_in_GBps"]) > 0
+    # top-k fp32 at k = 0.1: 410 values + 410 int32 indices + an 8-byte header; allgather wire (P-1) x payload
+    t32 = next(r for r in rows if r["method"] == "topk" and r["payload_dtype"] == "float32" and r["ratio"] == "0.1")
+    assert int(t32["payload_bytes"]) == 410 * 8 + 8 and float(t32["wire_bytes"]) == int(t32["payload_bytes"])
+    for png in ("osu_latency_p2.png", "osu_ratios.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------- analytic model
+def test_model_runs_and_predicts_sensible_orderings(tmp_path):
+    osu = tmp_path / "osu.csv"
+    with open(osu, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["method", "payload_dtype", "ratio", "log2", "elements", "encode_s",
+                                           "decode_s", "copy_GBps"])
+        w.writeheader()
+        # 0.1 * 2^20 * 10 bytes moved in 0.01 s = 1.05e8 B/s against a copy at 5 GB/s (1e10 B/s read + write)
+        w.writerow({"method": "masked", "payload_dtype": "float16", "ratio": "0.1", "log2": "20",
+                    "elements": str(2**20), "encode_s": "0.005", "decode_s": "0.005", "copy_GBps": "5"})
+    cl = tmp_path / "cluster.csv"
+    with open(cl, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["ok", "method", "link", "ranks", "elements", "comm_s"])
+        w.writeheader()
+        # ideal: 2 (4-1)/4 * 4 * 2^20 bytes at 1 Gbit/s = 0.0503 s; measured 0.1006 s -> eta 0.5
+        w.writerow({"ok": "1", "method": "dense", "link": "1gbit", "ranks": "4", "elements": str(2**20),
+                    "comm_s": str(2 * 6 * 2**20 * 8 / 1e9)})
+    out_csv = tmp_path / "model.csv"
+    proc = subprocess.run([sys.executable, "benchmarks/model.py", "--osu", str(osu), "--cluster", str(cl),
+                           "--out", str(out_csv)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "eta = 0.50" in proc.stdout and "enc_eff = 0.010" in proc.stdout
+    rows = list(csv.DictReader(open(out_csv)))
+    assert len(rows) == 2 * 2 * 8 * 3
+    for r in rows:
+        assert 0 < float(r["efficiency"]) <= 1
+    get = {(r["model"], r["link_gbit"], r["workers"], r["method"]): float(r["efficiency"]) for r in rows}
+    for model in ("BERT-Large", "BERT-XL"):
+        for link in ("10", "100"):
+            # SLAMB moves ~6% of dense's bytes: never less efficient than dense LAMB
+            assert get[(model, link, "1024", "SLAMB")] >= get[(model, link, "1024", "dense LAMB")]
+            # efficiency falls with the number of workers (fixed global batch)
+            assert get[(model, link, "1024", "dense LAMB")] < get[(model, link, "8", "dense LAMB")]
+    assert (tmp_path / "model.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------- emulated cluster
+def _netns_ok():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None or shutil.which("ping") is None:
+        return False
+    name = f"sbtprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+needs_netns = pytest.mark.skipif(not _netns_ok(), reason="needs root, iproute2 (ip netns, tc) and ping")
+
+
+def _names():
+    pid = os.getpid() % 10000  # unique per pytest process; the harness refuses if either is taken
+    return f"sbt{pid}", f"10.213.{50 + pid % 200}.0/24"
+
+
+def _ours(prefix):
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-"))
+
+
+@needs_netns
+def test_cluster_builds_pings_and_tears_down():
+    prefix, subnet = _names()
+    p = subprocess.Popen([sys.executable, CLUSTER, "check", "--nodes", "2", "--rate", "1gbit", "--prefix", prefix,
+                          "--subnet", subnet, "--hold", "3"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        deadline = time.time() + 60
+        while "ping ok" not in line and time.time() < deadline:
+            line = p.stdout.readline()
+            if not line and p.poll() is not None:
+                break
+        assert "ping ok" in line, p.stderr.read()
+        assert _ours(prefix) == sorted([f"{prefix}-n0", f"{prefix}-n1", f"{prefix}-br"])
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert _ours(prefix) == []
+
+
+@needs_netns
+def test_cluster_tears_down_on_sigterm():
+    prefix, subnet = _names()
+    p = subprocess.Popen([sys.executable, CLUSTER, "check", "--nodes", "2", "--prefix", prefix, "--subnet", subnet,
+                          "--hold", "120"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "ping ok" in p.stdout.readline() + p.stdout.readline()
+        assert len(_ours(prefix)) == 3
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) != 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert _ours(prefix) == []
+
+
+@needs_netns
+def test_cluster_refuses_taken_names_and_subnet_and_leaves_them_alone():
+    prefix, subnet = _names()
+    taken = f"{prefix}-n1"
+    subprocess.run(["ip", "netns", "add", taken], check=True)
+    try:
+        proc = subprocess.run([sys.executable, CLUSTER, "check", "--nodes", "2", "--prefix", prefix,
+                               "--subnet", subnet], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 3 and "refusing" in proc.stderr and taken in proc.stderr
+        assert _ours(prefix) == [taken]  # the namespace that was not ours is still there, nothing else
+        # the subnet in use in another namespace (here: the one we just made) is refused too
+        net = subnet.rsplit(".", 1)[0]
+        subprocess.run(["ip", "-n", taken, "link", "add", "d0", "type", "veth", "peer", "name", "d1"], check=True)
+        subprocess.run(["ip", "-n", taken, "addr", "add", f"{net}.77/24", "dev", "d0"], check=True)
+        proc = subprocess.run([sys.executable, CLUSTER, "check", "--nodes", "2", "--prefix", prefix + "x",
+                               "--subnet", subnet], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 3 and "subnet" in proc.stderr, proc.stderr
+        assert _ours(prefix + "x") == []
+    finally:
+        subprocess.run(["ip", "netns", "del", taken], capture_output=True)
+
+
+@needs_netns
+def test_cluster_runs_an_mpi_job_over_tcp():
+    prefix, subnet = _names()
+    proc = subprocess.run([sys.executable, CLUSTER, "run", "--nodes", "2", "--rate", "1gbit", "--prefix", prefix,
+                           "--subnet", subnet, "--timeout", "180", "--", sys.executable, CLUSTER, "loop",
+                           "--method", "slamb", "--log2", "16", "--steps", "2", "--warmup", "1", "--matmul-dim", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "RESULT " in proc.stdout
+    assert '"ranks": 2' in proc.stdout
+    # every timed step's bytes went through the emulated links
+    assert '"nic_tx_bytes_per_node_per_step": NaN' not in proc.stdout
+    assert _ours(prefix) == []
