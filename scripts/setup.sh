@@ -17,12 +17,15 @@ trap 'echo "[setup] FAILED during: ${STEP}" >&2' ERR
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-step "Open MPI (Debian packages openmpi-bin, libopenmpi-dev)"
-if command -v mpirun >/dev/null && [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h -o -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ]; then
+step "Debian packages: Open MPI (openmpi-bin, libopenmpi-dev), iproute2 and ping (emulated cluster)"
+APT_PKGS=(openmpi-bin libopenmpi-dev iproute2 iputils-ping)
+missing=()
+for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -eq 0 ]; then
   echo "[setup]   already installed: $(mpirun --version 2>/dev/null | head -n1)"
 else
   as_root apt-get update -q
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
 fi
 
 step "torch==${TORCH_VERSION} (CPU wheel)"

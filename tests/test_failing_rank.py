@@ -46,3 +46,43 @@ def test_failing_rank_ends_the_job_and_is_named(tmp_path, mode):
         assert "uncaught RuntimeError on rank 1" in out, out[-3000:]
     else:
         assert "[[" in out and ",1]" in out and "Exit code:    7" in out, out[-3000:]  # mpirun names rank 1
+
+
+HOROVOD_SCRIPT = """
+import os, sys, torch, horovod.torch as hvd
+import slamb_comm.adapters.horovod as sh
+hvd.init()
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+opt = sh.DistributedOptimizer(sh.SLAMB(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+for t in range(1, 10000):
+    if t == 3 and hvd.rank() == 1:
+        if sys.argv[1] == "raise":
+            raise RuntimeError("failing on purpose")
+        os._exit(7)
+    opt.zero_grad()
+    model(torch.randn(8, 32)).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("mode", ["raise", "die"])
+def test_failing_rank_under_horovodrun(tmp_path, mode):
+    import shutil
+
+    horovodrun = shutil.which("horovodrun")
+    if horovodrun is None:
+        pytest.skip("horovodrun is not installed")
+    script = tmp_path / "train.py"
+    script.write_text(HOROVOD_SCRIPT)
+    mpi_args = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
+    t0 = time.monotonic()
+    proc = subprocess.run(["timeout", "150", horovodrun, "-np", "2", f"--mpi-args={mpi_args}", sys.executable,
+                           str(script), mode], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137), out[-3000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+    assert "Process name: [[" in out and ",1]" in out, out[-3000:]  # mpirun names rank 1
+    if mode == "raise":
+        assert "failing on purpose" in out
