@@ -295,7 +295,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0"; exec /bin/sh -
         """Per node: (tx_bytes, rx_bytes) of its eth0."""
         out = []
         for ns in self.ns:
-            base = f"/sys/class/net/eth0/statistics/"
+            base = "/sys/class/net/eth0/statistics/"
             r = subprocess.run(["ip", "netns", "exec", ns, "cat", base + "tx_bytes", base + "rx_bytes"],
                                capture_output=True, text=True, check=True)
             tx, rx = (int(v) for v in r.stdout.split())

@@ -86,8 +86,8 @@ def main(argv=None):
             w = csv.DictWriter(fh, fieldnames=list(results[0]))
             w.writeheader()
             w.writerows(results)
-        print(f"| ranks | elements | method | ratio | payload | payload / dense | time / dense |")
-        print(f"|---|---|---|---|---|---|---|")
+        print("| ranks | elements | method | ratio | payload | payload / dense | time / dense |")
+        print("|---|---|---|---|---|---|---|")
         for r in results:
             label = r["method"] if r["method"] == "dense" else f"{r['method']} {r['value_dtype']}"
             print(f"| {r['ranks']} | 2^{int(np.log2(r['elements']))} | {label} | {r['ratio']} | "

@@ -89,7 +89,7 @@ class Slamb:
         on_nonfinite="skip",
     ):
         self.comm = comm
-        self.layout = lay = comm.layout
+        self.layout = comm.layout
         b1, b2 = (float(b) for b in betas)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must be in [0, 1), got {betas}")

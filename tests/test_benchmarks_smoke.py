@@ -14,17 +14,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launch import ROOT, mpirun  # noqa: E402
 CLUSTER = os.path.join(ROOT, "benchmarks", "cluster.py")
-
-
-def mpirun(np_, *cmd, timeout=240):
-    proc = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), str(np_), str(timeout), sys.executable, *cmd],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
-    )
-    assert proc.returncode == 0, f"rc {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 def _have_horovod():

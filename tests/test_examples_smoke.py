@@ -11,16 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mpirun(np_, *cmd, timeout=240):
-    proc = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), str(np_), str(timeout), sys.executable, *cmd],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
-    )
-    assert proc.returncode == 0, f"rc {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
-    return proc.stdout
+from launch import ROOT, mpirun  # noqa: E402
 
 
 def test_numpy_slamb_example_runs_and_reports_bytes():
