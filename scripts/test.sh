@@ -21,12 +21,12 @@ run() {  # run NAME CMD...: report, and treat pytest's rc 5 as a failure
   else echo "=== $name: ok"; fi
 }
 
-run "single-process tests" timeout --kill-after=30 1800 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests
+run "single-process tests" timeout --kill-after=30 1800 "$PY" -m pytest -q --color=no -p no:cacheprovider -m "not slow" tests
 for np in 1 2 4; do
   run "MPI tests at $np rank(s)" bash scripts/mpirun.sh "$np" 1500 \
-    "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m "not slow" mpi_tests
+    "$PY" -m pytest -q --color=no -p no:cacheprovider --with-mpi -m "not slow" mpi_tests
 done
 run "slow MPI tests (10,000-step run) at 2 ranks" bash scripts/mpirun.sh 2 1500 \
-  "$PY" -m pytest -q -p no:cacheprovider --with-mpi -m slow mpi_tests
+  "$PY" -m pytest -q --color=no -p no:cacheprovider --with-mpi -m slow mpi_tests
 if [ $fail -ne 0 ]; then echo "TESTS FAILED"; exit 1; fi
 echo "ALL TESTS PASSED"

@@ -90,6 +90,12 @@ class Slamb:
     ):
         self.comm = comm
         self.layout = comm.layout
+        if self.layout.dtype == np.float16:
+            raise ConfigError(
+                "Slamb keeps its state in the parameters' dtype, and float16 is too coarse for moments: "
+                "keep a float32 master copy of float16 parameters and build the communicator on it "
+                "(the Horovod adapter does this for float16 and bfloat16 parameters)"
+            )
         b1, b2 = (float(b) for b in betas)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must be in [0, 1), got {betas}")
