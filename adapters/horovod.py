@@ -988,10 +988,13 @@ class _DistributedTopK(torch.optim.Optimizer):
                 grads.append(_array(_as_compute(p.grad, dt)))
             try:
                 mean = comm.sparse_allgather(grads)
-            except Exception:  # raised on every rank (NonFiniteError, PeerError): start afresh
+            except Exception as err:  # raised on every rank (NonFiniteError, PeerError): start afresh
                 for p in self._allreduce_delay:
                     self._allreduce_delay[p] = self.backward_passes_per_step
                 self._pending = False
+                if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
+                    self._skip_nonfinite(err)
+                    return
                 raise
             for p, m in zip(ps, mean):
                 out = _tensor_of(m)
@@ -1016,13 +1019,29 @@ class _DistributedTopK(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def _skip_nonfinite(self, err):
+        """On every rank alike: NaN gradients (so an AMP GradScaler skips too), and the next
+        ``step()`` does not step the wrapped optimizer. Logged and counted."""
+        for _, ps, _, _ in self._topk:
+            for p in ps:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        self._synchronized = True
+        self._skip_next = True
+        self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        _log.warning("slamb_comm: top-k step skipped on every rank (%d so far): %s", self.skipped_steps, err)
+
     def step(self, closure=None):
-        """Synchronize (unless under ``skip_synchronize()``), then the wrapped optimizer's step."""
+        """Synchronize (unless under ``skip_synchronize()``), then the wrapped optimizer's step
+        (skipped, on every rank, after a non-finite gradient under ``on_nonfinite='skip'``)."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNC)
             self.synchronize()
         self._synchronized = False
+        if getattr(self, "_skip_next", False):
+            self._skip_next = False
+            return None
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none=True):

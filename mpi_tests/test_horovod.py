@@ -873,3 +873,30 @@ def test_horovod_transport_matches_mpi_transport():
     c1.sync(x1)
     c2.sync(x2)
     assert all(np.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(x1, x2))
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_topk_non_finite_gradient_on_one_rank_is_skipped_or_raised_everywhere(mode):
+    model = make_model(21)
+    opt = sh.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(),
+                                  compression=slamb_comm.TopK(0.25, on_nonfinite=mode))
+    train(model, opt, 2)
+    before = flat_params(model)
+    residuals = [c.residual.copy() for c in opt.communicators]
+    opt.zero_grad()
+    loss = loss_of(model, hvd.rank(), 3)
+    if hvd.rank() == hvd.size() - 1:
+        loss = loss * float("nan")
+    loss.backward()
+    if mode == "raise":
+        with pytest.raises(slamb_comm.NonFiniteError):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+    assert np.array_equal(flat_params(model), before)
+    for c, r in zip(opt.communicators, residuals):
+        assert np.array_equal(c.residual, r)
+    train(model, opt, 1, start=3)  # and training goes on, replicas still identical
+    assert same_on_all_ranks(model, f"topk.nonfinite.{mode}")

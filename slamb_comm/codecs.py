@@ -329,14 +329,21 @@ class TopK:
     Args:
         ratio: the fraction k in (0, 1] of every tensor that is sent.
         value_dtype: ``'float32'`` or ``'float16'`` values on the wire.
+        on_nonfinite: ``'skip'`` (default): a step with a NaN/Inf gradient on any rank is
+            skipped by every rank (gradients become NaN everywhere, so an AMP GradScaler
+            skips it too; logged and counted); ``'raise'``: every rank raises NonFiniteError.
+            Either way the error buffers do not change.
     """
 
-    def __init__(self, ratio, value_dtype="float32"):
+    def __init__(self, ratio, value_dtype="float32", on_nonfinite="skip"):
         self.ratio = check_ratio(ratio)
         self.value_dtype = _arr.value_dtype(value_dtype).name
+        if on_nonfinite not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
 
     def __repr__(self):
-        return f"TopK({self.ratio}, value_dtype={self.value_dtype!r})"
+        return f"TopK({self.ratio}, value_dtype={self.value_dtype!r}, on_nonfinite={self.on_nonfinite!r})"
 
     # A framework's compressor interface (Horovod's), for a clear error if passed to the wrong place.
     def compress(self, tensor):
