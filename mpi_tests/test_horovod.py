@@ -900,3 +900,30 @@ def test_topk_non_finite_gradient_on_one_rank_is_skipped_or_raised_everywhere(mo
         assert np.array_equal(c.residual, r)
     train(model, opt, 1, start=3)  # and training goes on, replicas still identical
     assert same_on_all_ranks(model, f"topk.nonfinite.{mode}")
+
+
+def test_checkpoint_module_resumes_the_adapter_bitwise():
+    """slamb_comm.checkpoint.save/load of every rank's model + SLAMB state through Horovod."""
+    import tempfile
+
+    from slamb_comm import checkpoint
+
+    transport = sh.HorovodTransport()
+    path = np.zeros(256, np.uint8)  # rank 0's temporary directory, shared through the transport
+    if hvd.rank() == 0:
+        name = tempfile.mkdtemp().encode()
+        path[: len(name)] = np.frombuffer(name, np.uint8)
+    transport.broadcast(path, root=0)
+    base = bytes(path[path != 0]).decode()
+    model = make_model(31)
+    opt = slamb_dist(model, lr=0.02, ratio=0.25, sync_interval=3)
+    train(model, opt, 4)
+    checkpoint.save(f"{base}/ckpt", {"model": model.state_dict(), "opt": opt.state_dict()}, transport)
+    train(model, opt, 3, start=5)
+    model2 = make_model(99)  # different start: everything must come from the checkpoint
+    opt2 = slamb_dist(model2, lr=0.02, ratio=0.25, sync_interval=3)
+    state = checkpoint.load(f"{base}/ckpt", transport)
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    train(model2, opt2, 3, start=5)
+    assert np.array_equal(flat_params(model), flat_params(model2))
