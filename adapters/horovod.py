@@ -619,6 +619,13 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
+def _set_backward_passes_per_step(self, passes):
+    """Change the number of backward passes accumulated per step (as in Horovod)."""
+    self.backward_passes_per_step = passes
+    for p in self._allreduce_delay:
+        self._allreduce_delay[p] = passes
+
+
 def _register_hooks(opt):
     opt._hook_handles = []
     for g in opt.param_groups:
@@ -680,11 +687,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
         super(self.__class__, self).add_param_group(param_group)
 
     # -------------------------------------------------------------- hooks
-    def set_backward_passes_per_step(self, passes):
-        """Change the number of backward passes accumulated per step (as in Horovod)."""
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+    set_backward_passes_per_step = _set_backward_passes_per_step
 
     def _make_hook(self, p):
         def hook(param):
@@ -952,11 +955,7 @@ class _DistributedTopK(torch.optim.Optimizer):
                                 seed=0)
             self._topk.append((key, ps, dt, comm))
 
-    def set_backward_passes_per_step(self, passes):
-        """Change the number of backward passes accumulated per step (as in Horovod)."""
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+    set_backward_passes_per_step = _set_backward_passes_per_step
 
     def _make_hook(self, p):
         def hook(param):
