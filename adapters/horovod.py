@@ -619,6 +619,16 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
+@contextlib.contextmanager
+def _skip_synchronize(self):
+    """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
+    self._should_synchronize = False
+    try:
+        yield
+    finally:
+        self._should_synchronize = True
+
+
 def _set_backward_passes_per_step(self, passes):
     """Change the number of backward passes accumulated per step (as in Horovod)."""
     self.backward_passes_per_step = passes
@@ -833,14 +843,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+    skip_synchronize = _skip_synchronize
 
     def _redo_if_grads_changed(self):
         """After an explicit synchronize(): if any rank changed a gradient its hooks had used
@@ -1009,14 +1012,7 @@ class _DistributedTopK(torch.optim.Optimizer):
         self._pending = False
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
+    skip_synchronize = _skip_synchronize
 
     def _skip_nonfinite(self, err):
         """On every rank alike: NaN gradients (so an AMP GradScaler skips too), and the next
