@@ -55,9 +55,9 @@ import torch
 import horovod.torch as hvd
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout, check_ratio
+from slamb_comm.codecs import Layout, check_block, check_ratio
 from slamb_comm.communicator import Communicator
-from slamb_comm.errors import ConfigError, NonFiniteError
+from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerError
 from slamb_comm.slamb import Slamb
 from slamb_comm.stats import Traffic, allreduce_wire
 from slamb_comm.codecs import TopK
@@ -149,8 +149,6 @@ class HorovodTransport:
 
 
 # ---------------------------------------------------------------------------- helpers
-_RULE_KNOBS = ("betas", "eps", "beta3", "sync_interval", "c_min", "c_max", "on_nonfinite")
-_COMM_KNOBS = ("ratio", "mask", "value_dtype", "dense_threshold", "seed")
 _MASKS = ("cyclic", "bernoulli", "topk")
 
 
@@ -224,6 +222,28 @@ def _check_named_parameters(named_parameters, param_groups):
     return names
 
 
+def _changed(p, name, shape, dtype):
+    """A :class:`LayoutError` if parameter ``p`` (or its gradient) no longer fits the bucket it
+    was built into (``shape``, compute ``dtype``), else None."""
+    now = tuple(p.shape) if tuple(p.shape) != shape or p.grad is None else tuple(p.grad.shape)
+    if now != shape:
+        return LayoutError(f"parameter {name!r} changed shape after the optimizer was built: "
+                           f"was {shape}, is now {now}")
+    if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or _state_dtype(p.dtype) != dtype:
+        return LayoutError(f"parameter {name!r} changed dtype after the optimizer was built: "
+                           f"its bucket is {dtype}, it is now {p.dtype} (shape {shape})")
+    return None
+
+
+def _changed_set(opt, params):
+    """A :class:`LayoutError` if ``opt``'s parameter groups no longer hold exactly ``params``."""
+    now = [p for g in opt.param_groups for p in g["params"]]
+    if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+        return LayoutError(f"the set of parameters changed after the optimizer was built: "
+                           f"{len(params)} then, {len(now)} now (build a new optimizer instead)")
+    return None
+
+
 def _saved_state_by_param(optimizer, state_dict):
     """The raw per-parameter state of ``state_dict`` keyed by this optimizer's parameters
     (torch's own mapping: saved ids, in order, onto the current groups' parameters)."""
@@ -289,6 +309,9 @@ class SLAMB(torch.optim.Optimizer):
         mask: ``'cyclic'`` (default; every element exchanged once every ceil(1/k) steps),
             ``'bernoulli'`` or ``'topk'`` (union of the ranks' largest momenta; its exchange
             waits for the whole backward pass).
+        block: the cyclic mask's run length: 1 (default) picks single elements, as in the
+            paper; a larger value picks runs of that many contiguous elements of the fused
+            buffer (see :class:`slamb_comm.codecs.CyclicMask`).
         value_dtype: ``'float32'`` or ``'float16'`` payload of the momentum exchange
             (16 bits halve the bytes).
         c_min, c_max: clamp of the layer-wise trust ratios.
@@ -329,6 +352,7 @@ class SLAMB(torch.optim.Optimizer):
         beta3=0.99,
         sync_interval=100,
         mask="cyclic",
+        block=1,
         value_dtype="float32",
         c_min=0.01,
         c_max=1000.0,
@@ -338,8 +362,8 @@ class SLAMB(torch.optim.Optimizer):
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, ratio=ratio, beta3=beta3,
-            sync_interval=sync_interval, mask=mask, value_dtype=value_dtype, c_min=c_min, c_max=c_max,
-            dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
+            sync_interval=sync_interval, mask=mask, block=block, value_dtype=value_dtype, c_min=c_min,
+            c_max=c_max, dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
         )
         self._check_options(defaults)
         super().__init__(params, defaults)
@@ -371,6 +395,8 @@ class SLAMB(torch.optim.Optimizer):
             raise ConfigError(f"sync_interval must be an integer >= 1, got {g['sync_interval']!r}")
         if g["mask"] not in _MASKS:
             raise ConfigError(f"unknown mask {g['mask']!r}; choose one of {list(_MASKS)}")
+        if check_block(g.get("block", 1)) != 1 and g["mask"] != "cyclic":
+            raise ConfigError(f"block={g['block']} applies to the cyclic mask only, not {g['mask']!r}")
         _arr.value_dtype(g["value_dtype"])
         if not 0.0 < float(g["c_min"]) <= float(g["c_max"]):
             raise ConfigError(f"need 0 < c_min <= c_max, got {g['c_min']!r}, {g['c_max']!r}")
@@ -386,7 +412,7 @@ class SLAMB(torch.optim.Optimizer):
         rule = (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["beta3"]), int(g["sync_interval"]),
                 float(g["c_min"]), float(g["c_max"]), g["on_nonfinite"])
         comm = (check_ratio(g["ratio"]), g["mask"], _arr.value_dtype(g["value_dtype"]).name, int(g["dense_threshold"]),
-                None if g["seed"] is None else int(g["seed"]))
+                check_block(g.get("block", 1)), None if g["seed"] is None else int(g["seed"]))
         return rule, comm
 
     def add_param_group(self, param_group):
@@ -429,7 +455,7 @@ class SLAMB(torch.optim.Optimizer):
             g0 = groups[0]
             layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
                             dense_threshold=int(g0["dense_threshold"]))
-            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"],
+            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key[3][4],
                                   value_dtype=g0["value_dtype"], seed=g0["seed"],
                                   dense_threshold=int(g0["dense_threshold"]))
             e.wire = e.comm.value_dtype
@@ -507,9 +533,9 @@ class SLAMB(torch.optim.Optimizer):
                                   "sync_interval/c_min/c_max; change them for every group at once")
         for g in e.groups:
             c = self._knobs(g)[1]
-            if c[:4] != e.key[3][:4]:
-                raise ConfigError("ratio, mask, value_dtype and dense_threshold are fixed at construction "
-                                  f"(built with {e.key[3][:4]}, the group now says {c[:4]})")
+            if c[:5] != e.key[3][:5]:
+                raise ConfigError("ratio, mask, value_dtype, dense_threshold and block are fixed at construction "
+                                  f"(built with {e.key[3][:5]}, the group now says {c[:5]})")
         r = e.rule
         r.betas, r.eps, r.beta3, r.sync_interval, r.c_min, r.c_max, r.on_nonfinite = rule_k
 
@@ -541,7 +567,13 @@ class SLAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for e in self._ensure_engines():
+        engines = self._ensure_engines()
+        for e in engines:  # before any bucket steps: a changed parameter changes nothing
+            for i, p in enumerate(e.params):
+                problem = _changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
+                if problem is not None:
+                    raise problem
+        for e in engines:
             if all(p.grad is None for p in e.params):
                 continue
             self._pull(e)
@@ -561,7 +593,7 @@ class SLAMB(torch.optim.Optimizer):
             self._check_options(g)
         engines = self._ensure_engines()
         ages = {p: int(float(st["step"])) for p, st in raw.items() if "step" in st}
-        if any(self._knobs(g)[1][:4] != e.key[3][:4] for e in engines for g in e.groups) or any(
+        if any(self._knobs(g)[1][:5] != e.key[3][:5] for e in engines for g in e.groups) or any(
             len({ages.get(p, 0) for p in e.params}) > 1 for e in engines
         ):
             self._build_engines(ages)  # the checkpoint's buckets differ from ours
@@ -685,6 +717,8 @@ class _DistributedSlamb(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._nonfinite = None
+        self._layout_problem = None  # this rank's LayoutError of the open step, sent as a NaN status
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._exchanges = itertools.count()
         _register_hooks(self)
         self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
@@ -713,6 +747,8 @@ class _DistributedSlamb(torch.optim.Optimizer):
     def _begin(self, e):
         if isinstance(self._engines, str):
             raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
+        if self._layout_problem is None:
+            self._layout_problem = _changed_set(self, self._all_params)
         self._pull(e)
         t = e.rule.begin_step()
         e.open = True
@@ -730,26 +766,32 @@ class _DistributedSlamb(torch.optim.Optimizer):
         if not e.open:
             self._begin(e)
         t0 = time.perf_counter()
-        g, gt = self._grad_array(p, e)
-        self._consumed[p] = None if p.grad is None else (id(p.grad), p.grad._version)
-        e.rule.accumulate(i, g)
+        if self._layout_problem is None:
+            self._layout_problem = _changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
+        changed = self._layout_problem is not None
+        if not changed:
+            g, gt = self._grad_array(p, e)
+            self._consumed[p] = None if p.grad is None else (id(p.grad), p.grad._version)
+            e.rule.accumulate(i, g)
         if e.pos is None:
             e.launched[p] = None
             return
-        m = e.mviews[i].reshape(-1)
         pos = e.pos[i]
-        xp = _arr.namespace(m)
         buf = torch.empty(int(pos.size) + 1, dtype=_torch_dtype(e.wire), device=p.device)
-        vals = m if pos.size == m.size else m[pos]
-        buf[:-1].copy_(_tensor_of(xp.ascontiguousarray(vals)))
-        # Status slot: 0, or inf if this rank's gradient (or its square, in v) is not finite.
-        # Computed on the device, without a host read; the Average makes it inf everywhere.
-        if gt is not None and gt.numel():
-            lim = math.sqrt(float(np.finfo(e.np_dtype).max))
-            bad = (gt.abs().amax() >= lim) | torch.isnan(gt).any()
-            buf[-1:].copy_(torch.where(bad, math.inf, 0.0).reshape(1))
+        # Status slot: 0, or inf if this rank's gradient (or its square, in v) is not finite,
+        # computed on the device without a host read; NaN if a parameter of this rank no longer
+        # fits its bucket (it still takes part, with zeros). The Average spreads inf/NaN to every rank.
+        if changed:
+            buf.zero_()[-1] = math.nan
         else:
-            buf[-1] = 0.0
+            m = e.mviews[i].reshape(-1)
+            xp = _arr.namespace(m)
+            vals = m if pos.size == m.size else m[pos]
+            buf[:-1].copy_(_tensor_of(xp.ascontiguousarray(vals)))
+            if gt is not None and gt.numel():
+                lim = math.sqrt(float(np.finfo(e.np_dtype).max))
+                bad = (gt.abs().amax() >= lim) | torch.isnan(gt).any()
+                buf[-1:].copy_(torch.where(bad, math.inf, 0.0).reshape(1))
         if self.op == hvd.Average:
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         else:
@@ -768,9 +810,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
         the averaged values) abandon the step on every rank, fill the affected gradients
         with NaN -- as Horovod's averaged gradients would be -- so that an AMP GradScaler
         skips the step on every rank, and make the next ``step()`` raise NonFiniteError.
+        A parameter that no longer fits its bucket on some rank (NaN status slot, or a
+        rejected fused exchange) abandons the step too, and raises on every rank at once.
         """
         t1 = time.perf_counter()
-        flags, results, failed = [], [], []
+        flags, results, failed, changed = [], [], [], None
         for e in self._engines:
             if e.open and e.pos is not None:
                 for p, (handle, buf) in e.launched.items():
@@ -780,14 +824,24 @@ class _DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             if e.open and e.pos is None:  # topk mask: the core's fused exchange, after all moments
                 try:
-                    e.rule.exchange()
+                    if self._layout_problem is not None:  # input the core rejects, collectively
+                        e.comm.masked_allreduce([], e.rule.t + 1)
+                    else:
+                        e.rule.exchange()
                 except NonFiniteError as err:  # raised on every rank; the core abandoned the step
                     e.open = False
                     failed.append((e, err))
+                except (LayoutError, PeerError) as err:  # also raised on every rank
+                    changed = err
+                    break
         t2 = time.perf_counter()
         bad = []
         if flags and not bool(torch.stack(flags).all()):
             bad = [(e, p) for e, p, out in results if not bool(torch.isfinite(out).all())]
+            if changed is None and any(bool(torch.isnan(out[-1])) for _, _, out in results):
+                changed = True
+        if changed is not None:
+            self._raise_changed(None if changed is True else changed)
         if bad or failed:
             bad += [(e, p) for e, _ in failed for p in e.params]
             names = [e.names[e.index[p]] for e, p in bad]
@@ -819,6 +873,21 @@ class _DistributedSlamb(torch.optim.Optimizer):
                     sent, lay.total, e.encode_s, t2 - t1, t3 - t2))
                 e.launched = {}
 
+    def _raise_changed(self, peer_err):
+        """On every rank alike: abandon the step; this rank's LayoutError if one of its parameters
+        changed, else a PeerError naming the ranks where one did (``peer_err``, or asked for here)."""
+        problem = self._layout_problem
+        self._abort()
+        if peer_err is None:  # which ranks: one more collective, on this failure path only
+            flag = torch.tensor([int(problem is not None)], dtype=torch.int32)
+            codes = hvd.allgather(flag, name=f"slamb_comm.changed.{next(self._exchanges)}",
+                                  process_set=self.process_set)
+            ranks = [r for r, c in enumerate(codes.tolist()) if c]
+            peer_err = PeerError(f"SLAMB momentum exchange: rank(s) {ranks} have a parameter that changed after "
+                                 "the optimizer was built (see their error); the step was abandoned on every "
+                                 "rank and nothing was changed", ranks)
+        raise problem if problem is not None else peer_err
+
     def _abort(self):
         for e in self._engines:
             if e.open:
@@ -826,6 +895,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 e.open = False
                 e.launched = {}
         self._consumed = {}
+        self._layout_problem = None
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = False
@@ -946,6 +1016,7 @@ class _DistributedTopK(torch.optim.Optimizer):
         self._pending = False
         _register_hooks(self)
         self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
         transport = HorovodTransport(process_set)
         buckets = {}
         for p in self._requires_update:
@@ -981,23 +1052,41 @@ class _DistributedTopK(torch.optim.Optimizer):
         return total
 
     def synchronize(self):
-        """Exchange every gradient (zeros where a rank has none) and set ``p.grad`` to the mean."""
-        for _, ps, dt, comm in self._topk:
-            grads = []
-            for p in ps:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(_array(_as_compute(p.grad, dt)))
-            try:
-                mean = comm.sparse_allgather(grads)
-            except Exception as err:  # raised on every rank (NonFiniteError, PeerError): start afresh
-                for p in self._allreduce_delay:
-                    self._allreduce_delay[p] = self.backward_passes_per_step
-                self._pending = False
-                if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
-                    self._skip_nonfinite(err)
-                    return
-                raise
+        """Exchange every gradient (zeros where a rank has none) and set ``p.grad`` to the mean.
+
+        All buckets or none: every bucket is exchanged before any ``p.grad`` is written, and if
+        a bucket fails (on every rank alike: NaN/Inf, or a parameter that changed on some rank)
+        the buckets before it get their error buffers back, so the step changes no state."""
+        problem = _changed_set(self, self._all_params)
+        means, saved = [], []
+        try:
+            for b, (_, ps, dt, comm) in enumerate(self._topk):
+                lay = comm.layout
+                for i, p in enumerate(ps):
+                    problem = problem or _changed(p, lay.names[i], lay.shapes[i], dt)
+                if problem is not None:  # input the core rejects: it still takes part, the others raise PeerError
+                    comm.sparse_allgather([])
+                grads = []
+                for p in ps:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(_array(_as_compute(p.grad, dt)))
+                if b < len(self._topk) - 1:  # a later bucket may still fail: keep this error buffer
+                    saved.append((comm, None if comm.residual is None else comm.residual.copy()))
+                means.append(comm.sparse_allgather(grads))
+        except Exception as err:  # raised on every rank, at the same bucket: start afresh
+            for comm, residual in saved:
+                comm.residual = residual
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            self._pending = False
+            if problem is not None:
+                raise problem from None
+            if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
+                self._skip_nonfinite(err)
+                return
+            raise
+        for (_, ps, _, comm), mean in zip(self._topk, means):
             for p, m in zip(ps, mean):
                 out = _tensor_of(m)
                 if self.op == hvd.Sum:

@@ -1,5 +1,6 @@
 # sudo python3 benchmarks/cluster.py bench --nodes 2,4 --rates 1gbit,10gbit,none --out results/cluster.csv
 # sudo python3 benchmarks/cluster.py run --nodes 4 --rate 1gbit -- python3 examples/numpy_slamb.py --steps 50
+# sudo python3 benchmarks/cluster.py lm --nodes 4 --rates 1gbit,10gbit,local --out results/cluster_lm.csv
 # sudo python3 benchmarks/cluster.py check --nodes 2          (build, ping every pair, tear down)
 # sudo python3 benchmarks/cluster.py cleanup --prefix slambx  (only after a kill -9 left namespaces behind)
 """An emulated N-node cluster out of network namespaces, and the step-time benchmark run on it.
@@ -38,6 +39,11 @@ Sub-commands:
 * ``report`` -- the table and plot again from bench CSV(s);
 * ``bench``  -- the step-time benchmark: for every node count and link rate, the ``loop``
   below with each method; CSV, PNG and a markdown table;
+* ``lm``     -- the end-to-end benchmark: ``examples/train_lm.py`` (Horovod, PyTorch), scaled
+  up with ``--d-model``/``--layers``, for each link rate (and ``local``: plain mpirun,
+  no emulation) with dense LAMB over Horovod's allreduce (``--optimizer lamb``) and SLAMB
+  (``--optimizer slamb``, ratio 0.1, fp16 payload); reports the median training-step time
+  (forward, backward, exchange, update) and the bytes per step; CSV, PNG and a table;
 * ``loop``   -- (run under mpirun) a synthetic training loop on a flat fp32 buffer:
   per step a fixed compute cost (single-threaded ``--matmuls`` matmuls of
   ``--matmul-dim``), then the exchange:
@@ -55,6 +61,7 @@ Sub-commands:
 
 import argparse
 import atexit
+import contextlib
 import csv
 import ipaddress
 import json
@@ -682,6 +689,105 @@ def plot_cluster(rows, path):
     return path
 
 
+# ====================================================================== end-to-end LM
+def lm_main(args):
+    """``examples/train_lm.py`` with each optimizer on each link: median step time and bytes."""
+    rows = []
+    train = [sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), "--steps", str(args.steps),
+             "--eval-every", str(10 * args.steps), "--eval-batches", "1", "--no-progress", "--threads", "1",
+             "--d-model", str(args.d_model), "--layers", str(args.layers), "--batch", str(args.batch),
+             "--context", str(args.context), "--files", str(args.files), "--ratio", str(args.ratio),
+             "--value-dtype", args.value_dtype, "--lr", "0.01"]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="slamb_lm_")
+    for rate in (r.strip() for r in args.rates.split(",")):
+        net = contextlib.nullcontext() if rate == "local" else Cluster(
+            args.nodes, rate=rate, delay=args.delay, prefix=args.prefix, subnet=args.subnet)
+        with net as cluster:
+            for opt in (o.strip() for o in args.optimizers.split(",")):
+                out_csv = os.path.join(tmp, f"{rate}_{opt}.csv")
+                cmd = train + ["--optimizer", opt, "--csv", out_csv]
+                if cluster is None:
+                    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), str(args.nodes),
+                                        str(args.timeout), *cmd], capture_output=True, text=True, cwd=ROOT,
+                                       timeout=args.timeout + 60)
+                    rc, out, err = p.returncode, p.stdout, p.stderr
+                else:
+                    rc, out, err = cluster.mpirun(cmd, timeout=args.timeout)
+                row = {"nodes": args.nodes, "link": rate, "optimizer": opt, "ok": 0}
+                if rc == 0 and os.path.exists(out_csv):
+                    with open(out_csv) as fh:
+                        last = list(csv.DictReader(fh))[-1]
+                    n = int(last["step"])
+                    row.update(ok=1, steps=n, step_ms_median=float(last["step_ms_median"]),
+                               payload_bytes_per_step=float(last["bytes"]) / n,
+                               dense_bytes_per_step=float(last["dense_bytes"]) / n,
+                               params=int(float(last["dense_bytes"]) / n / 4), val_loss=float(last["val_loss"]))
+                    print(f"[lm] {args.nodes} nodes, link {rate}, {opt}: median step {row['step_ms_median']:.0f} ms, "
+                          f"{row['payload_bytes_per_step'] / 1e6:.2f} MB/step", file=sys.stderr, flush=True)
+                else:
+                    print(f"[lm] {rate} {opt}: FAILED rc={rc}\n{out[-2000:]}\n{err[-3000:]}", file=sys.stderr)
+                rows.append(row)
+                _write(rows, args.out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(lm_table(rows))
+    print(f"wrote {args.out}")
+    if not args.no_plot:
+        print(f"wrote {plot_lm(rows, os.path.splitext(args.out)[0] + '.png')}")
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+def lm_table(rows):
+    out = ["| nodes | link per node | optimizer | median step ms | step / dense LAMB | payload / step | "
+           "payload / dense |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not int(r.get("ok", 0)):
+            out.append(f"| {r['nodes']} | {r['link']} | {r['optimizer']} | FAILED | | | |")
+            continue
+        base = next((d for d in rows if int(d.get("ok", 0)) and d["link"] == r["link"] and d["optimizer"] == "lamb"),
+                    None)
+        rel = float(r["step_ms_median"]) / float(base["step_ms_median"]) if base else float("nan")
+        out.append(f"| {r['nodes']} | {r['link']} | {r['optimizer']} | {float(r['step_ms_median']):.0f} | {rel:.2f} | "
+                   f"{float(r['payload_bytes_per_step']) / 1e6:.2f} MB | "
+                   f"{float(r['payload_bytes_per_step']) / float(r['dense_bytes_per_step']):.3f} |")
+    return "\n".join(out)
+
+
+def plot_lm(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if int(r.get("ok", 0))]
+    links = list(dict.fromkeys(r["link"] for r in ok))
+    opts = list(dict.fromkeys(r["optimizer"] for r in ok))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    w = 0.8 / max(1, len(opts))
+    for j, o in enumerate(opts):
+        for i, link in enumerate(links):
+            r = next((r for r in ok if r["link"] == link and r["optimizer"] == o), None)
+            base = next((r for r in ok if r["link"] == link and r["optimizer"] == "lamb"), None)
+            if r is None:
+                continue
+            x, y = i + (j - (len(opts) - 1) / 2) * w, float(r["step_ms_median"])
+            ax.bar(x, y, w, color=f"C{j}", label=o if i == 0 else None)
+            if base is not None:
+                ax.text(x, y, f"{y / float(base['step_ms_median']):.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(links)))
+    ax.set_xticklabels(links)
+    ax.set_ylabel("median training step, ms (labels: / dense LAMB)")
+    p = int(ok[0]["params"]) if ok else 0
+    ax.set_title(f"train_lm.py, {ok[0]['nodes'] if ok else '?'} ranks, {p / 1e6:.1f}M parameters; emulated node links "
+                 f"(netns + tbf, TCP)\n'local' = plain mpirun on one machine (shared memory)", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 # ====================================================================== CLI
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -707,6 +813,23 @@ def main(argv=None):
     p.add_argument("--timeout", type=int, default=600)
     net_opts(p)
     p.add_argument("command", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("lm", help="end-to-end: examples/train_lm.py, dense LAMB vs SLAMB, per link rate")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--rates", default="1gbit,10gbit,local", help="link rates; 'local' = plain mpirun, no emulation")
+    p.add_argument("--optimizers", default="lamb,slamb")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--files", type=int, default=20, help="stdlib modules in the corpus (small: faster start)")
+    p.add_argument("--ratio", type=float, default=0.1)
+    p.add_argument("--value-dtype", default="float16")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", default="results/cluster_lm.csv")
+    p.add_argument("--no-plot", action="store_true")
+    net_opts(p)
 
     p = sub.add_parser("report", help="table and plot from bench CSV(s), no measuring")
     p.add_argument("csvs", nargs="+")
@@ -785,6 +908,8 @@ def main(argv=None):
                 return rc
         if args.cmd == "bench":
             return bench_main(args)
+        if args.cmd == "lm":
+            return lm_main(args)
     except ClusterError as e:
         print(f"cluster: {e}", file=sys.stderr)
         return 3

@@ -130,6 +130,8 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--beta3", type=float, default=0.9, help="SLAMB freshness decay")
     ap.add_argument("--sync-interval", type=int, default=100, help="SLAMB: parameter average every H steps")
     ap.add_argument("--mask", choices=["cyclic", "bernoulli", "topk"], default="cyclic")
+    ap.add_argument("--block", type=int, default=1,
+                    help="SLAMB cyclic mask: runs of this many contiguous elements (1: single elements)")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
                     help="payload dtype of the sparse exchange")
     ap.add_argument("--seed", type=int, default=0)
@@ -156,8 +158,8 @@ def build_optimizer(args, model):
     if args.optimizer == "slamb":
         opt = shvd.DistributedOptimizer(
             shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3,
-                       sync_interval=args.sync_interval, mask=args.mask, value_dtype=args.value_dtype,
-                       seed=args.seed),
+                       sync_interval=args.sync_interval, mask=args.mask, block=args.block,
+                       value_dtype=args.value_dtype, seed=args.seed),
             named_parameters=named)
         return opt, opt.step_traffic
     if args.optimizer == "topk-adam":
@@ -211,7 +213,8 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
     bar = None
     if me == 0:
         print(f"{label}: {args.optimizer} on {P} ranks, {n_params} parameters, lr {args.lr}"
-              + (f", ratio {args.ratio}, beta3 {args.beta3}, H {args.sync_interval}, mask {args.mask}, "
+              + (f", ratio {args.ratio}, beta3 {args.beta3}, H {args.sync_interval}, mask {args.mask}"
+                 + (f" (runs of {args.block})" if args.block != 1 else "") + ", "
                  f"{args.value_dtype} payload" if args.optimizer == "slamb" else "")
               + (f", k {args.ratio}, {args.value_dtype} payload" if args.optimizer == "topk-adam" else ""),
               flush=True)
@@ -220,12 +223,15 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
 
             bar = tqdm(total=args.steps, desc=args.optimizer, unit="step")
     t0 = time.perf_counter()
+    step_times = []  # wall time of each training step (batch, forward, backward, exchange, update), no evaluation
     for step in range(1, args.steps + 1):
+        ts = time.perf_counter()
         x, y = batch_fn(step, me)
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        step_times.append(time.perf_counter() - ts)
         traffic = bytes_fn()
         moved += traffic.payload_bytes
         dense_moved += n_params * 4
@@ -236,7 +242,8 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
             row = {"method": args.optimizer, "lr": args.lr, "ratio": args.ratio, "beta3": args.beta3,
                    "value_dtype": args.value_dtype, "ranks": P, "step": step, "train_loss": train_loss,
                    "val_loss": val_loss, metric_name: metric, "bytes": moved, "dense_bytes": dense_moved,
-                   "bytes_vs_dense": moved / dense_moved, "seconds": time.perf_counter() - t0}
+                   "bytes_vs_dense": moved / dense_moved, "seconds": time.perf_counter() - t0,
+                   "step_ms_median": 1e3 * float(np.median(step_times[min(5, len(step_times) // 5):]))}
             rows.append(row)
             if me == 0:
                 msg = (f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  {metric_name} "
@@ -258,5 +265,6 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
         print(f"summary: {args.optimizer} final val loss {summary['val_loss']:.4f}, "
               f"{metric_name} {summary[metric_name]:.4f}, "
               f"bytes {moved / 1e6:.1f} MB vs dense allreduce {dense_moved / 1e6:.1f} MB "
-              f"({moved / dense_moved:.1%}), {summary['seconds']:.0f} s", flush=True)
+              f"({moved / dense_moved:.1%}), {summary['seconds']:.0f} s, "
+              f"median step {summary['step_ms_median']:.1f} ms", flush=True)
     return summary

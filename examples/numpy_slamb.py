@@ -92,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--sync-interval", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--mask", default="cyclic", choices=["cyclic", "bernoulli", "topk"])
+    ap.add_argument("--block", type=int, default=1, help="cyclic mask: runs of this many contiguous elements")
     ap.add_argument("--value-dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
@@ -107,7 +108,7 @@ def main(argv=None):
     layout = sc.Layout.from_arrays(init, names=["W1", "b1", "W2", "b2", "W3", "b3"])
     flat = np.concatenate([a.ravel() for a in init])  # the model lives in one fused buffer
     params = layout.views(flat)
-    comm = sc.Communicator(sc.MPITransport(), layout, ratio=args.ratio, mask=args.mask,
+    comm = sc.Communicator(sc.MPITransport(), layout, ratio=args.ratio, mask=args.mask, block=args.block,
                            value_dtype=args.value_dtype, seed=args.seed)
     opt = Slamb(comm, lr=args.lr, weight_decay=args.weight_decay, beta3=args.beta3,
                 sync_interval=args.sync_interval)

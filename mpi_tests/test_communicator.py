@@ -513,7 +513,7 @@ def test_bad_step_is_local_config_error(transport):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(
     "what",
-    ["shape", "order", "count", "dtype", "value_dtype", "ratio", "mask", "dense_threshold"],
+    ["shape", "order", "count", "dtype", "value_dtype", "ratio", "mask", "dense_threshold", "block"],
 )
 def test_disagreement_at_construction_is_layout_mismatch_everywhere(transport, what):
     ck = Checks()
@@ -536,6 +536,8 @@ def test_disagreement_at_construction_is_layout_mismatch_everywhere(transport, w
             kw["mask"] = "bernoulli"
         elif what == "dense_threshold":
             kw["dense_threshold"] = 100
+        elif what == "block":
+            kw["block"] = 64
     comm, err = call(sc.Communicator, transport, arrs, **kw)
     ck.raised(err, LayoutMismatchError, f"rank {BAD} differs in {what}")
     ck.true(err is None or str(BAD) in str(err), f"message does not name rank {BAD}: {err}")

@@ -11,6 +11,7 @@ optimizer. No test asserts a timing.
 
 import io
 import math
+import re
 import warnings
 
 import numpy as np
@@ -181,16 +182,17 @@ def close(a, b, rtol=2e-4, atol=2e-5):
 
 
 # ============================================================================= SLAMB vs section 1
-@pytest.mark.parametrize("ratio,value_dtype", [(0.1, "float32"), (1.0, "float32"), (0.1, "float16")])
-def test_slamb_matches_dense_reference_every_step(ratio, value_dtype):
+@pytest.mark.parametrize("ratio,value_dtype,block", [(0.1, "float32", 1), (1.0, "float32", 1), (0.1, "float16", 1),
+                                                     (0.1, "float32", 64)])
+def test_slamb_matches_dense_reference_every_step(ratio, value_dtype, block):
     P, rank, steps, H = hvd.size(), hvd.rank(), 22, 8
     model = make_model(1)
     shapes = [tuple(p.shape) for p in model.parameters()]
     opt = slamb_dist(model, lr=0.02, ratio=ratio, beta3=0.9, sync_interval=H, weight_decay=0.01,
-                     value_dtype=value_dtype, seed=7)
+                     value_dtype=value_dtype, seed=7, block=block)
     ref = RefSlamb(flat_params(model), shapes, P, lr=0.02, wd=0.01, beta3=0.9, H=H)
     (comm,) = opt.communicators
-    assert comm.size == P
+    assert comm.size == P and comm.mask.block == block
     lay = comm.layout
     assert lay.dense == [False if (len(s) == 2 and np.prod(s) >= THRESHOLD) else True for s in shapes]
     assert sum(not d for d in lay.dense) == 2
@@ -727,6 +729,9 @@ def test_slamb_alone_uses_no_collectives_and_state_dict_roundtrip():
         sh.SLAMB(model.parameters(), ratio=0)
     with pytest.raises(slamb_comm.ConfigError):
         sh.SLAMB(model.parameters(), mask="random")
+    for bad in (dict(block=0), dict(block=2.5), dict(mask="bernoulli", block=64)):
+        with pytest.raises(slamb_comm.ConfigError):
+            sh.SLAMB(model.parameters(), **bad)
 
 
 @pytest.mark.parametrize("mask", ["bernoulli", "topk"])
@@ -927,3 +932,157 @@ def test_checkpoint_module_resumes_the_adapter_bitwise():
     opt2.load_state_dict(state["opt"])
     train(model2, opt2, 3, start=5)
     assert np.array_equal(flat_params(model), flat_params(model2))
+
+
+# ============================================================================= changed parameters
+def _changed_opt(kind, model):
+    if kind == "topk":
+        return sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), compression=slamb_comm.TopK(0.25))
+    return slamb_dist(model, lr=0.02, ratio=0.25, mask="topk" if kind == "slamb-topk-mask" else "cyclic")
+
+
+def _change(model, opt, how):
+    """Change parameter '2.weight' (32x32, compressible) or the optimizer's parameter set."""
+    p = model[2].weight
+    if how == "shape":
+        p.data = torch.zeros(32, 31)
+    elif how == "dtype":
+        p.data = p.data.double()
+    else:
+        opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+
+
+def _changed_msg(how, name="2.weight"):
+    """What the LayoutError of ``_change(..., how)`` says (a regex)."""
+    return {"shape": rf"'{re.escape(name)}'.*\(32, 32\).*\(32, 31\)", "dtype": rf"'{re.escape(name)}'.*float64",
+            "set": "set of parameters changed"}[how]
+
+
+def _backward_any_shape(model):
+    """A backward pass that works whatever the parameters' shapes and dtypes now are."""
+    sum((p * p).sum() for p in model.parameters()).backward()
+
+
+def _nobody_waits(tag):
+    """A collective after the failed step succeeds on every rank: no rank is stuck in it."""
+    out = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name=f"changed.after.{tag}")
+    assert float(out[0]) == hvd.size()
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype", "set"])
+@pytest.mark.parametrize("kind", ["slamb", "slamb-topk-mask", "topk"])
+def test_parameter_changed_on_one_rank_raises_on_every_rank(kind, how):
+    model = make_model(41)
+    opt = _changed_opt(kind, model)
+    train(model, opt, 2)
+    culprit = 1 if hvd.size() > 1 else 0
+    before = flat_params(model)
+    if hvd.rank() == culprit:
+        _change(model, opt, how)
+    opt.zero_grad()
+    _backward_any_shape(model)
+    if hvd.rank() == culprit:
+        with pytest.raises(slamb_comm.LayoutError, match=_changed_msg(how)):
+            opt.step()
+    else:
+        with pytest.raises(slamb_comm.PeerError) as info:
+            opt.step()
+        assert info.value.ranks == (culprit,) and f"[{culprit}]" in str(info.value)
+        assert np.array_equal(flat_params(model), before)  # nothing changed
+        if kind != "topk":
+            assert int(opt.state[model[0].weight]["step"]) == 2
+    _nobody_waits(f"{kind}.{how}")
+
+
+@pytest.mark.parametrize("kind", ["slamb", "slamb-topk-mask", "topk"])
+def test_parameter_changed_identically_on_every_rank_still_raises(kind):
+    model = make_model(42)
+    opt = _changed_opt(kind, model)
+    train(model, opt, 2)
+    _change(model, opt, "shape")  # the same on every rank: the optimizer's state still does not fit
+    opt.zero_grad()
+    _backward_any_shape(model)
+    with pytest.raises(slamb_comm.LayoutError, match=_changed_msg("shape")):
+        opt.step()
+    _nobody_waits(f"identical.{kind}")
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype"])
+def test_slamb_alone_parameter_changed_raises_and_changes_nothing(how):
+    model = make_model(43)
+    opt = sh.SLAMB(model.parameters(), lr=0.02, ratio=0.25, dense_threshold=THRESHOLD)
+    train(model, opt, 2)
+    p0 = model[0].weight
+    x0, m0 = p0.detach().clone(), opt.state[p0]["exp_avg"].clone()
+    _change(model, opt, how)
+    opt.zero_grad()
+    _backward_any_shape(model)
+    with pytest.raises(slamb_comm.LayoutError, match=_changed_msg(how, "group0.2")):
+        opt.step()
+    assert torch.equal(p0, x0) and torch.equal(opt.state[p0]["exp_avg"], m0)
+    assert int(opt.state[p0]["step"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_topk_two_buckets_non_finite_in_the_second_changes_neither(mode):
+    """float32 and float64 parameters: two fused buckets. A NaN in the second bucket on one rank
+    skips (or raises) on every rank and leaves both error buffers, the parameters and (raise)
+    the gradients as they were; the next clean step is ALGORITHM.md section 2."""
+    P, rank, ratio, lr = hvd.size(), hvd.rank(), 0.25, 0.05
+
+    def models():
+        return make_model(44), make_model(45).double()
+
+    a, b = models()
+    ref_a, ref_b = models()
+    named = [("a." + n, p) for n, p in a.named_parameters()] + [("b." + n, p) for n, p in b.named_parameters()]
+    opt = sh.DistributedOptimizer(torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=lr),
+                                  named_parameters=named, compression=slamb_comm.TopK(ratio, on_nonfinite=mode))
+    ref_opt = torch.optim.SGD(list(ref_a.parameters()) + list(ref_b.parameters()), lr=lr)
+    assert [c.layout.dtype.name for c in opt.communicators] == ["float32", "float64"]
+    shapes = [tuple(p.shape) for p in a.parameters()]
+    errors = {np.float32: [np.zeros(sum(SIZES), np.float32) for _ in range(P)],
+              np.float64: [np.zeros(sum(SIZES), np.float64) for _ in range(P)]}
+
+    def loss(t, poison=False):
+        lb = loss_of(b, rank, t, salt=1)
+        return loss_of(a, rank, t) + (lb * float("nan") if poison else lb)
+
+    def clean_step(t):
+        for ref, dt, tdt, salt in ((ref_a, np.float32, torch.float32, 0), (ref_b, np.float64, torch.float64, 1)):
+            x = flat_params(ref)
+            grads = [grads_at(x, shapes, r, t, tdt, salt).astype(dt) for r in range(P)]
+            mean = _topk_reference_step(errors[dt], grads, ratio)
+            at = 0
+            for p in ref.parameters():
+                p.grad = torch.from_numpy(mean[at:at + p.numel()].reshape(p.shape).copy())
+                at += p.numel()
+        ref_opt.step()
+        opt.zero_grad()
+        loss(t).backward()
+        opt.step()
+
+    for t in (1, 2):
+        clean_step(t)
+    x_before = [flat_params(a), flat_params(b)]
+    residuals = [c.residual.copy() for c in opt.communicators]
+    opt.zero_grad()
+    loss(3, poison=rank == P - 1).backward()
+    grads_a = [p.grad.clone() for p in a.parameters()]
+    if mode == "raise":
+        with pytest.raises(slamb_comm.NonFiniteError):
+            opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(a.parameters(), grads_a))  # still the local ones
+    else:
+        opt.step()
+        assert opt.skipped_steps == 1
+    assert np.array_equal(flat_params(a), x_before[0]) and np.array_equal(flat_params(b), x_before[1])
+    for c, r in zip(opt.communicators, residuals):
+        assert c.residual.dtype == r.dtype and np.array_equal(c.residual, r)
+    clean_step(4)
+    for model, ref in ((a, ref_a), (b, ref_b)):
+        assert np.allclose(flat_params(model), flat_params(ref), rtol=1e-6, atol=1e-7)
+    for c, dt in zip(opt.communicators, (np.float32, np.float64)):
+        assert np.allclose(c.residual, errors[dt][rank], rtol=1e-6, atol=1e-7)
+    assert same_on_all_ranks(a, f"topk.2buckets.a.{mode}") and same_on_all_ranks(b, f"topk.2buckets.b.{mode}")

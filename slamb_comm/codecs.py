@@ -34,6 +34,7 @@ __all__ = [
     "BernoulliMask",
     "TopKUnionMask",
     "make_mask",
+    "Selection",
     "TopK",
     "TopKWire",
 ]
@@ -213,6 +214,60 @@ def topk_indices(x, k):
     return cand[above].astype(np.int64, copy=False)
 
 
+class Selection:
+    """M_t of one step: the positions in the fused buffer, and the gather and scatter on them.
+
+    ``index`` lists every position in payload order: the always-dense elements, then any
+    elements listed one by one, then ``blocks`` (ids of whole runs of ``block`` contiguous
+    elements starting at ``id * block``) in order. Element masks have no blocks. With
+    blocks, :meth:`take` and :meth:`put` copy whole runs (a near-memcpy) instead of single
+    elements (a random access per element).
+    """
+
+    def __init__(self, index, blocks=None, block=1):
+        self.index = index
+        self.size = int(index.size)
+        self.block = int(block)
+        self.blocks = blocks if blocks is not None and blocks.size else None
+        self.head = self.size - (0 if self.blocks is None else self.blocks.size * self.block)
+
+    def __len__(self):
+        return self.size
+
+    def __array__(self, dtype=None, copy=None):
+        """NumPy sees the positions (``np.asarray(selection)``; host selections only)."""
+        return self.index if dtype is None else self.index.astype(dtype)
+
+    def _runs(self, a):
+        nb = a.size // self.block
+        return a[: nb * self.block].reshape(nb, self.block)
+
+    def take(self, a, out=None):
+        """``a[index]`` (into ``out`` if given; ``out`` may have another dtype)."""
+        xp = _arr.namespace(a)
+        if out is None:
+            out = xp.empty(self.size, a.dtype)
+        _take(xp, a, self.index[: self.head], out[: self.head])
+        if self.blocks is not None:
+            _take(xp, self._runs(a), self.blocks, out[self.head :].reshape(-1, self.block), axis=0)
+        return out
+
+    def put(self, a, vals):
+        """``a[index] = vals`` (``vals``: an array in payload order, or a scalar)."""
+        scalar = not hasattr(vals, "shape")
+        a[self.index[: self.head]] = vals if scalar else vals[: self.head]
+        if self.blocks is not None:
+            self._runs(a)[self.blocks] = vals if scalar else vals[self.head :].reshape(-1, self.block)
+
+
+def _take(xp, a, idx, out, axis=None):
+    """``out[...] = a[idx]`` along ``axis`` with no bounds checks (``idx`` comes from a mask)."""
+    if xp is np and out.dtype == a.dtype:
+        np.take(a, idx, axis=axis, out=out, mode="clip")
+    else:
+        out[...] = a[idx]
+
+
 class _Mask:
     kind = ""
 
@@ -234,8 +289,8 @@ class _Mask:
     def _with_dense(self, xp, part):
         dense = self._on(xp, "dense", self.layout.dense_index)
         if dense.size == 0:
-            return part
-        return xp.concatenate((dense, part))
+            return Selection(part)
+        return Selection(xp.concatenate((dense, part)))
 
     def state_dict(self):
         return {"kind": self.kind, "ratio": self.ratio, "seed": self.seed}
@@ -249,23 +304,70 @@ class CyclicMask(_Mask):
     from rank 0) and cut into ``C = ceil(1 / ratio)`` chunks of near-equal size. Step
     ``t`` (1-based) selects chunk ``(t - 1) mod C`` plus every always-dense element, so
     each compressible element is synchronised exactly once every C steps.
+
+    ``block`` > 1 permutes runs instead of elements: the fused buffer is cut into runs of
+    ``block`` contiguous positions (run ``j`` = ``[j*block, (j+1)*block)``), every run
+    holding a compressible element takes part in the permutation, and a run is selected
+    with all of its compressible elements. Staleness is still exactly C; the gather and
+    scatter copy whole runs. ``block=1`` (default) is ALGORITHM.md's element mask.
     """
 
     kind = "cyclic"
 
-    def __init__(self, layout, ratio, seed):
+    def __init__(self, layout, ratio, seed, block=1):
         super().__init__(layout, ratio, seed)
+        self.block = check_block(block)
         self.num_chunks = math.ceil(1.0 / self.ratio - 1e-9)
-        perm = np.random.Generator(np.random.PCG64(self.seed)).permutation(layout.compressible_index)
-        self._chunks = [np.sort(c) for c in np.array_split(perm, self.num_chunks)]
+        B, comp = self.block, layout.compressible_index
+        runs = np.unique(comp // B) if B > 1 else comp
+        perm = np.random.Generator(np.random.PCG64(self.seed)).permutation(runs)
+        chunks = [np.sort(c) for c in np.array_split(perm, self.num_chunks)]
+        if B == 1:
+            self._chunks = [(c, None) for c in chunks]
+            return
+        is_comp = np.zeros(layout.total, bool)
+        is_comp[comp] = True
+        nb = layout.total // B  # runs that lie wholly inside the buffer
+        whole_run = is_comp[: nb * B].reshape(nb, B).all(axis=1)
+        offs = np.arange(B, dtype=comp.dtype)
+        self._chunks = []
+        for c in chunks:
+            whole = c < nb
+            whole[whole] = whole_run[c[whole]]
+            full, part = c[whole], c[~whole]
+            elems = (part[:, None].astype(comp.dtype) * B + offs).ravel()
+            elems = elems[elems < layout.total]
+            self._chunks.append((elems[is_comp[elems]], full.astype(np.intp)))
 
     def chunk(self, step):
         return (int(step) - 1) % self.num_chunks
 
     def select(self, step, xp=np, flat=None, transport=None):
-        """Sorted-per-part positions in the fused buffer of M_t (dense part first)."""
+        """M_t as a :class:`Selection`: the dense part first, then the chunk of step ``t``."""
         j = self.chunk(step)
-        return self._with_dense(xp, self._on(xp, ("chunk", j), self._chunks[j]))
+        key = ("chunk", j)
+        elems, full = self._chunks[j]
+        if full is None:
+            return self._with_dense(xp, self._on(xp, key, elems))
+        if xp is np or key not in self._device:
+            B = self.block
+            runs = (full.astype(self.layout.index_dtype)[:, None] * B + np.arange(B, dtype=self.layout.index_dtype))
+            index = np.concatenate((self.layout.dense_index, elems, runs.ravel()))
+            if xp is np:
+                return Selection(index, full, B)
+            self._device[key] = (xp.asarray(index), xp.asarray(full))
+        index, full = self._device[key]
+        return Selection(index, full, self.block)
+
+    def state_dict(self):
+        return {**super().state_dict(), "block": self.block}
+
+
+def check_block(block):
+    """A run length of the cyclic mask: an integer >= 1."""
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ConfigError(f"block must be an integer >= 1, got {block!r}")
+    return int(block)
 
 
 class BernoulliMask(_Mask):
@@ -308,10 +410,14 @@ class TopKUnionMask(_Mask):
 _MASKS = {m.kind: m for m in (CyclicMask, BernoulliMask, TopKUnionMask)}
 
 
-def make_mask(kind, layout, ratio, seed):
-    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk')."""
+def make_mask(kind, layout, ratio, seed, block=1):
+    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk'); ``block`` is the cyclic mask's run length."""
     if kind not in _MASKS:
         raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
+    if kind == "cyclic":
+        return CyclicMask(layout, ratio, seed, block)
+    if check_block(block) != 1:
+        raise ConfigError(f"block={block} applies to the cyclic mask only, not {kind!r}")
     return _MASKS[kind](layout, ratio, seed)
 
 

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from .codecs import DATA_DTYPES, Layout, TopKWire, check_ratio, make_mask
+from .codecs import DATA_DTYPES, Layout, TopKWire, check_block, check_ratio, make_mask
 from .errors import (
     ConfigError,
     DTypeError,
@@ -69,6 +69,10 @@ class Communicator:
             used by all; ``None`` lets rank 0 draw one. No global RNG is touched.
         dense_threshold: tensors with ndim <= 1 or fewer elements are always exchanged
             whole by the masked allreduce.
+        block: run length of the cyclic mask. 1 (default) permutes single elements, as
+            ALGORITHM.md section 1 says; a larger value (e.g. 256) permutes runs of that
+            many contiguous elements, so the masked allreduce's gather and scatter copy
+            whole runs instead of scattered elements (see :class:`~slamb_comm.codecs.CyclicMask`).
 
     Raises (on every rank, never on one only):
         ConfigError: ratio, mask or threshold out of range or unknown.
@@ -88,6 +92,7 @@ class Communicator:
         value_dtype=None,
         seed=None,
         dense_threshold=9000,
+        block=1,
     ):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
@@ -106,7 +111,10 @@ class Communicator:
             if mask not in ("cyclic", "bernoulli", "topk"):
                 raise ConfigError(f"unknown mask {mask!r}; choose one of ['bernoulli', 'cyclic', 'topk']")
             self.mask_kind = mask
-            digest = self.layout.digest(self.ratio, mask, self.value_dtype.name)
+            self.block = check_block(block)
+            if mask != "cyclic" and self.block != 1:
+                raise ConfigError(f"block={block} applies to the cyclic mask only, not {mask!r}")
+            digest = self._digest()
         except (SlambCommError, TypeError) as e:
             problem = e
         self._agree(problem, digest)
@@ -114,7 +122,7 @@ class Communicator:
         seed_buf = np.array([secrets.randbits(62) if seed is None else int(seed)], dtype=np.int64)
         self.transport.broadcast(seed_buf, root=0)
         self.seed = int(seed_buf[0])
-        self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed)
+        self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
         self.wire = TopKWire(self.layout, self.ratio, self.value_dtype)
 
     # ------------------------------------------------------------------ agreement
@@ -150,8 +158,13 @@ class Communicator:
             raise LayoutMismatchError(
                 f"ranks disagree on the exchanged arrays or options: rank(s) {differ} differ from rank 0 "
                 f"(total elements per rank: {sizes}); this is rank {t.rank} with {self.layout.describe()}, "
-                f"ratio={self.ratio}, mask={self.mask_kind!r}, value_dtype={self.value_dtype.name}"
+                f"ratio={self.ratio}, mask={self.mask_kind!r}, block={self.block}, value_dtype={self.value_dtype.name}"
             )
+
+    def _digest(self):
+        """Layout plus the options every rank must share (block only when it is not 1)."""
+        extra = () if self.block == 1 else (("block", self.block),)
+        return self.layout.digest(self.ratio, self.mask_kind, self.value_dtype.name, *extra)
 
     # ------------------------------------------------------------------ inputs
     def _take(self, x):
@@ -264,29 +277,35 @@ class Communicator:
                 :class:`~slamb_comm.errors.NonFiniteError` naming this rank, and nothing changes.
 
         Returns:
-            ``x``, and the positions M_t in the fused buffer (an int array).
+            ``x``, and the positions M_t in the fused buffer (an int array, in payload order).
         """
+        x, sel = self._masked_allreduce(x, step, local_nonfinite)
+        return x, sel.index
+
+    def _masked_allreduce(self, x, step, local_nonfinite):
+        """:meth:`masked_allreduce`, returning the :class:`~slamb_comm.codecs.Selection` of M_t."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ConfigError(f"step must be an integer >= 1, got {step!r}")
         t0 = time.perf_counter()
         xp, flat, arrs, problem = self._take_or_dummy(x)
-        idx = self.mask.select(step, xp=xp, flat=flat, transport=self.transport)
-        m = int(idx.size)
+        sel = self.mask.select(step, xp=xp, flat=flat, transport=self.transport)
+        m = sel.size
         buf = xp.empty(m + 1, dtype=self.value_dtype)
-        buf[:m] = flat[idx]
+        sel.take(flat, out=buf[:m])
         buf[m] = np.nan if problem is not None or local_nonfinite else 0
         t1 = time.perf_counter()
         self.transport.allreduce(buf)
         t2 = time.perf_counter()
         self._check_sum(
-            buf, problem, lambda: None if local_nonfinite else flat[idx].astype(self.value_dtype), idx,
+            buf, problem, lambda: None if local_nonfinite else sel.take(flat, out=xp.empty(m, self.value_dtype)),
+            sel.index,
             f"masked_allreduce at step {step}",
         )
         # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
         vals = buf[:m].astype(np.promote_types(buf.dtype, flat.dtype), copy=False)
         if self.size > 1:
             vals *= vals.dtype.type(1.0 / self.size)
-        flat[idx] = vals
+        sel.put(flat, vals)
         self._write_back(flat, arrs)
         t3 = time.perf_counter()
         payload = (m + 1) * self.value_dtype.itemsize
@@ -296,7 +315,7 @@ class Communicator:
             Traffic(1, payload, allreduce_wire(payload, self.size), dense, allreduce_wire(dense, self.size),
                     m, self.layout.total, t1 - t0, t2 - t1, t3 - t2),
         )
-        return x, idx
+        return x, sel
 
     def sparse_allgather(self, x):
         """Top-k exchange with error feedback (ALGORITHM.md section 2).
@@ -394,16 +413,16 @@ class Communicator:
             "residual": None if self.residual is None else _arr.to_host(self.residual).copy(),
             "seed": self.seed,
             "mask": self.mask.state_dict(),
-            "digest": self.layout.digest(self.ratio, self.mask_kind, self.value_dtype.name).hex(),
+            "digest": self._digest().hex(),
         }
 
     def load_state_dict(self, state, xp=np):
         """Restore :meth:`state_dict` output exactly (``xp``: where the error buffer lives)."""
-        mine = self.layout.digest(self.ratio, self.mask_kind, self.value_dtype.name).hex()
+        mine = self._digest().hex()
         if state.get("digest") != mine:
             raise LayoutMismatchError("the saved state was made for a different layout or options")
         if int(state["seed"]) != self.seed:
             self.seed = int(state["seed"])
-            self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed)
+            self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
         r = state["residual"]
         self.residual = None if r is None else xp.asarray(r).copy()

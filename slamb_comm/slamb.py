@@ -124,7 +124,7 @@ class Slamb:
         self._xp = None
         self.m = self.v = self.f = None
         self._m_next = self._v_next = None
-        self._idx = None  # M_t positions of the step in progress (fused)
+        self._sel = None  # M_t of the step in progress (a Selection of the fused buffer)
         self._pos = None  # per-tensor positions of M_t
 
     def _agree_options(self):
@@ -210,13 +210,13 @@ class Slamb:
         if self._t_open is not None:
             raise RuntimeError(f"step {self._t_open} is still open: call apply() (or abort_step()) first")
         self._t_open = self.t + 1
-        self._idx = self._pos = None
+        self._sel = self._pos = None
         return self._t_open
 
     def abort_step(self):
         """Abandon the open step: nothing it computed is kept."""
         self._t_open = None
-        self._idx = self._pos = None
+        self._sel = self._pos = None
 
     def _open(self):
         if self._t_open is None:
@@ -261,7 +261,7 @@ class Slamb:
         """
         t = self._open() if t is None else t
         if self._pos is None:
-            idx = self._select(t)
+            idx = self._select(t).index
             xp = self._xp or np
             s = xp.sort(idx)
             ends = np.asarray(self.layout.offsets[1:] + [self.layout.total])
@@ -271,10 +271,10 @@ class Slamb:
         return self._pos
 
     def _select(self, t):
-        if self._idx is None:
+        if self._sel is None:
             xp = self._xp or np
-            self._idx = self.comm.mask.select(t, xp=xp, flat=self._m_next, transport=self.comm.transport)
-        return self._idx
+            self._sel = self.comm.mask.select(t, xp=xp, flat=self._m_next, transport=self.comm.transport)
+        return self._sel
 
     def exchange(self):
         """The momentum exchange of the open step: one fused masked allreduce of m over M_t.
@@ -287,7 +287,7 @@ class Slamb:
         # NaN and Inf propagate into a sum: one reduction per buffer, no boolean temporaries.
         local_bad = not bool(xp.isfinite(xp.sum(self._m_next)) & xp.isfinite(xp.sum(self._v_next)))
         try:
-            _, idx = self.comm.masked_allreduce(self._m_next, t, local_nonfinite=local_bad)
+            _, sel = self.comm._masked_allreduce(self._m_next, t, local_nonfinite=local_bad)
         except NonFiniteError as e:
             self.abort_step()
             if not local_bad:
@@ -298,7 +298,7 @@ class Slamb:
         except Exception:
             self.abort_step()
             raise
-        self._idx = idx
+        self._sel = sel
 
     def apply(self, x, lr=None, weight_decay=None):
         """Finish the open step on parameters ``x`` (fused buffer or list of arrays, in place).
@@ -325,7 +325,7 @@ class Slamb:
         if flat.dtype != lay.dtype:
             raise LayoutError(f"parameters have dtype {flat.dtype.name}, expected {lay.dtype.name}")
         self._ensure_state(xp)
-        idx = self._select(t)
+        sel = self._select(t)
         b1, b2 = self.betas
         P = self.comm.size
         dt = lay.dtype.type
@@ -334,7 +334,7 @@ class Slamb:
         # Freshness: f = b3 f, then 1 on M_t (in place: nothing below can fail before the commit).
         f = self.f
         f *= dt(self.beta3)
-        f[idx] = 1
+        sel.put(f, 1)
         # Adam direction u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd x, in the
         # order of the formula (the same float rounding as a plain implementation).
         xp.divide(v, dt(1.0 - b2**t), out=u)
@@ -352,8 +352,8 @@ class Slamb:
         x_all = np.array([float(xp.einsum("i,i->", flat[o : o + n], flat[o : o + n], dtype=np.float64))
                           for o, n in views])
         u_all = np.array([float(xp.einsum("i,i->", u[o : o + n], u[o : o + n], dtype=np.float64)) for o, n in views])
-        seg = self._segments_of(xp, idx)
-        xs, us = flat[idx].astype(np.float64), u[idx].astype(np.float64)
+        seg = self._segments_of(xp, sel.index)
+        xs, us = sel.take(flat, out=xp.empty(sel.size, np.float64)), sel.take(u, out=xp.empty(sel.size, np.float64))
         x_s = _arr.to_host(xp.bincount(seg, weights=xs * xs, minlength=len(lay)))
         u_s = _arr.to_host(xp.bincount(seg, weights=us * us, minlength=len(lay)))
         n_s = _arr.to_host(xp.bincount(seg, minlength=len(lay)))
@@ -379,7 +379,7 @@ class Slamb:
         self.v, self._v_next = self._v_next, self.v
         self.t = t
         self._t_open = None
-        self._idx = self._pos = None
+        self._sel = self._pos = None
         if (t - 1) % self.sync_interval == 0 and P > 1:
             self.comm.sync(flat)
         if listed:

@@ -51,6 +51,43 @@ def test_osu_benchmark_writes_csv_plots_and_table(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+# ---------------------------------------------------------------------------- codec benchmark
+def test_codec_benchmark_writes_csv_plot_and_tables(tmp_path):
+    out_csv = tmp_path / "codec.csv"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "codec.py"), "--sizes", "15",
+                          "--ratios", "0.1,0.01", "--blocks", "1,64", "--repeats", "2", "--out", str(out_csv)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "| n | k / n | method |" in out and "gather / memcpy" in out
+    rows = list(csv.DictReader(open(out_csv)))
+    topk = {(r["method"], r["ratio"]) for r in rows if r["part"] == "topk"}
+    assert {("fast", "0.1"), ("argpartition", "0.01"), ("sort_reference", "0.1")} <= topk
+    mask = [r for r in rows if r["part"] == "mask"]
+    assert {(r["method"], r["block"]) for r in mask} == {(op, b) for op in ("gather", "scatter") for b in ("1", "64")}
+    for r in rows:
+        assert int(r["elements"]) == 2**15 and float(r["p25"]) <= float(r["seconds"]) <= float(r["p75"])
+        assert float(r["GBps"]) > 0
+    assert all(float(r["vs_baseline"]) > 0 and float(r["copy_seconds"]) > 0 for r in mask)
+    assert (tmp_path / "codec.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------- end-to-end LM (no emulation)
+@pytest.mark.skipif(not _have_horovod(), reason="horovod.torch is not installed")
+def test_cluster_lm_local_writes_step_times_and_bytes(tmp_path):
+    out_csv = tmp_path / "lm.csv"
+    p = subprocess.run([sys.executable, CLUSTER, "lm", "--nodes", "2", "--rates", "local", "--steps", "4",
+                        "--d-model", "64", "--files", "5", "--timeout", "300", "--out", str(out_csv)],
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "| nodes | link per node | optimizer | median step ms |" in p.stdout
+    rows = {r["optimizer"]: r for r in csv.DictReader(open(out_csv))}
+    assert set(rows) == {"lamb", "slamb"} and all(r["ok"] == "1" and r["link"] == "local" for r in rows.values())
+    lamb, slamb = rows["lamb"], rows["slamb"]
+    assert float(lamb["step_ms_median"]) > 0 and float(slamb["step_ms_median"]) > 0
+    assert float(lamb["payload_bytes_per_step"]) == float(lamb["dense_bytes_per_step"]) == 4 * int(lamb["params"])
+    assert float(slamb["payload_bytes_per_step"]) < 0.5 * float(lamb["payload_bytes_per_step"])
+    assert (tmp_path / "lm.png").stat().st_size > 1000
+
+
 # ---------------------------------------------------------------------------- analytic model
 def test_model_runs_and_predicts_sensible_orderings(tmp_path):
     osu = tmp_path / "osu.csv"

@@ -374,7 +374,7 @@ class TestCyclicMask:
         seen = []
         sizes = []
         for t in range(1, chunks + 1):
-            idx = mask.select(t)
+            idx = mask.select(t).index
             assert np.unique(idx).size == idx.size  # no duplicates
             assert np.all(np.isin(lay.dense_index, idx))  # always-dense elements every step
             part = _compressible_part(lay, idx)
@@ -387,8 +387,8 @@ class TestCyclicMask:
         assert max(sizes) - min(sizes) <= 1  # near-equal chunks
         # the cycle repeats with period C
         for t in range(1, chunks + 1):
-            assert np.array_equal(mask.select(t), mask.select(t + chunks))
-            assert np.array_equal(mask.select(t), mask.select(t + 7 * chunks))
+            assert np.array_equal(mask.select(t).index, mask.select(t + chunks).index)
+            assert np.array_equal(mask.select(t).index, mask.select(t + 7 * chunks).index)
 
     @settings(max_examples=30, deadline=None)
     @given(st.floats(0.01, 1.0), st.integers(0, 2**62))
@@ -397,7 +397,7 @@ class TestCyclicMask:
         mask = sc.CyclicMask(lay, ratio, seed)
         c = mask.num_chunks
         assert c >= 1 and c - 1 < 1 / ratio <= c + 1e-6
-        parts = [_compressible_part(lay, mask.select(t)) for t in range(1, c + 1)]
+        parts = [_compressible_part(lay, mask.select(t).index) for t in range(1, c + 1)]
         allc = np.concatenate(parts)
         assert np.array_equal(np.sort(allc), np.sort(lay.compressible_index))
         sizes = [p.size for p in parts]
@@ -405,7 +405,7 @@ class TestCyclicMask:
 
     def test_random_chunks_not_blocks(self):
         lay = layout()
-        part = _compressible_part(lay, sc.CyclicMask(lay, 0.1, 5).select(1))
+        part = _compressible_part(lay, sc.CyclicMask(lay, 0.1, 5).select(1).index)
         # a random permutation spreads chunk 0 over all compressible tensors
         for (o, n), d in zip(lay.segments(), lay.dense):
             if not d:
@@ -415,15 +415,15 @@ class TestCyclicMask:
         lay = layout()
         a, b, c = sc.CyclicMask(lay, 0.1, 42), sc.CyclicMask(lay, 0.1, 42), sc.CyclicMask(lay, 0.1, 43)
         for t in range(1, 11):
-            assert np.array_equal(a.select(t), b.select(t))
-        assert any(not np.array_equal(a.select(t), c.select(t)) for t in range(1, 11))
-        assert a.state_dict() == {"kind": "cyclic", "ratio": 0.1, "seed": 42}
+            assert np.array_equal(a.select(t).index, b.select(t).index)
+        assert any(not np.array_equal(a.select(t).index, c.select(t).index) for t in range(1, 11))
+        assert a.state_dict() == {"kind": "cyclic", "ratio": 0.1, "seed": 42, "block": 1}
 
     def test_only_dense_tensors(self):
         lay = sc.Layout([(5,), (3, 3)])
         mask = sc.CyclicMask(lay, 0.1, 0)
         for t in (1, 2, 11):
-            assert np.array_equal(np.sort(mask.select(t)), np.arange(lay.total))
+            assert np.array_equal(np.sort(mask.select(t).index), np.arange(lay.total))
 
 
 class TestBernoulliMask:
@@ -431,13 +431,13 @@ class TestBernoulliMask:
         lay = layout()
         a, b = sc.BernoulliMask(lay, 0.1, 9), sc.BernoulliMask(lay, 0.1, 9)
         for t in (1, 2, 3, 1000):
-            assert np.array_equal(a.select(t), b.select(t))
+            assert np.array_equal(a.select(t).index, b.select(t).index)
         # same step twice, in any order, gives the same mask: it depends on (seed, t) only
-        m5 = a.select(5)
-        a.select(6)
-        assert np.array_equal(a.select(5), m5)
-        assert not np.array_equal(a.select(1), a.select(2))
-        assert not np.array_equal(a.select(1), sc.BernoulliMask(lay, 0.1, 10).select(1))
+        m5 = a.select(5).index
+        a.select(6).index
+        assert np.array_equal(a.select(5).index, m5)
+        assert not np.array_equal(a.select(1).index, a.select(2).index)
+        assert not np.array_equal(a.select(1).index, sc.BernoulliMask(lay, 0.1, 10).select(1).index)
 
     @pytest.mark.parametrize("ratio", [0.05, 0.1, 0.5])
     def test_fraction_and_dense(self, ratio):
@@ -447,7 +447,7 @@ class TestBernoulliMask:
         sd = math.sqrt(n * ratio * (1 - ratio))
         counts = []
         for t in range(1, 21):
-            idx = mask.select(t)
+            idx = mask.select(t).index
             assert np.unique(idx).size == idx.size
             assert np.all(np.isin(lay.dense_index, idx))
             part = _compressible_part(lay, idx)
@@ -457,7 +457,7 @@ class TestBernoulliMask:
 
     def test_ratio_one_selects_everything(self):
         lay = layout()
-        assert np.array_equal(np.sort(sc.BernoulliMask(lay, 1.0, 3).select(4)), np.arange(lay.total))
+        assert np.array_equal(np.sort(sc.BernoulliMask(lay, 1.0, 3).select(4).index), np.arange(lay.total))
 
 
 class TestTopKUnionMask:
@@ -465,7 +465,7 @@ class TestTopKUnionMask:
         lay = layout()
         flat = np.random.default_rng(3).standard_normal(lay.total).astype(np.float32)
         mask = sc.TopKUnionMask(lay, 0.1, 0)
-        idx = mask.select(1, np, flat, sc.LocalTransport())
+        idx = mask.select(1, np, flat, sc.LocalTransport()).index
         expect = [lay.dense_index]
         for (o, n), d in zip(lay.segments(), lay.dense):
             if not d:
@@ -478,7 +478,7 @@ class TestTopKUnionMask:
     def test_needs_data_and_transport(self):
         mask = sc.TopKUnionMask(layout(), 0.1, 0)
         with pytest.raises(ConfigError):
-            mask.select(1)
+            mask.select(1).index
         with pytest.raises(ConfigError):
             mask.select(1, np, np.zeros(layout().total, np.float32))
 
@@ -503,6 +503,58 @@ class TestMakeMask:
             make_mask(kind, layout(), ratio, 0)
         with pytest.raises(ConfigError):
             sc.Communicator(None, [np.zeros((100, 120), np.float32)], ratio=ratio, mask=kind)
+
+
+class TestBlockMask:
+    """The cyclic mask over runs of ``block`` contiguous elements (Communicator(block=...))."""
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, "64", None, True])
+    def test_bad_block(self, bad):
+        with pytest.raises(ConfigError):
+            make_mask("cyclic", layout(), 0.1, 0, bad)
+        with pytest.raises(ConfigError):
+            sc.Communicator(None, [np.zeros((100, 120), np.float32)], block=bad)
+
+    @pytest.mark.parametrize("kind", ["bernoulli", "topk"])
+    def test_block_is_for_the_cyclic_mask_only(self, kind):
+        with pytest.raises(ConfigError, match="cyclic mask only"):
+            make_mask(kind, layout(), 0.1, 0, 64)
+        with pytest.raises(ConfigError, match="cyclic mask only"):
+            sc.Communicator(None, [np.zeros((100, 120), np.float32)], mask=kind, block=64)
+        assert make_mask(kind, layout(), 0.1, 0, 1).kind == kind
+
+    def test_block_one_is_the_element_mask(self):
+        lay = layout()
+        a, b = sc.CyclicMask(lay, 0.1, 9), sc.CyclicMask(lay, 0.1, 9, block=1)
+        for t in range(1, 12):
+            assert np.array_equal(a.select(t).index, b.select(t).index)
+            assert b.select(t).blocks is None
+
+    def test_runs_are_selected_whole(self):
+        lay = sc.Layout([(100, 120), (7,), (50, 300), (3, 3), (200, 91)])
+        B = 64
+        mask = sc.CyclicMask(lay, 0.1, 3, block=B)
+        comp = np.zeros(lay.total, bool)
+        comp[lay.compressible_index] = True
+        for t in range(1, mask.num_chunks + 1):
+            sel = mask.select(t)
+            part = sel.index[lay.dense_index.size:]
+            for run in np.unique(part // B):  # every run touched is taken with all its compressible elements
+                members = np.arange(run * B, min((run + 1) * B, lay.total))
+                assert np.array_equal(np.intersect1d(part, members), members[comp[members]])
+            assert sel.blocks is not None and np.array_equal(sel.index[sel.head:], (sel.blocks[:, None] * B + np.arange(B)).ravel())
+
+    def test_communicator_with_blocks_equals_mean_on_the_mask(self):
+        arrs = [np.random.default_rng(1).standard_normal((100, 120)).astype(np.float32), np.ones(5, np.float32)]
+        comm = sc.Communicator(None, arrs, ratio=0.1, block=256, seed=4)
+        assert comm.mask.block == 256
+        before = [a.copy() for a in arrs]
+        _, idx = comm.masked_allreduce(arrs, 1)
+        flat = np.concatenate([a.ravel() for a in before])
+        assert np.array_equal(idx[:5], np.arange(12000, 12005))  # the dense part first, then runs
+        assert (idx.size - 5) % 256 in (0, 224)  # whole runs (the last run of the tensor has 224)
+        assert np.array_equal(np.concatenate([a.ravel() for a in arrs]), flat)  # P = 1: the mean is the value
+        assert comm.state_dict()["mask"]["block"] == 256
 
 
 @pytest.mark.parametrize("bad", ["bfloat16", "int8", "bf16", "int32", "float8"])

@@ -301,7 +301,7 @@ class TestNonFinite:
     def test_nan_in_compressible_tensor_in_mask(self):
         comm = comm_for()
         arrs = make_arrays(11)
-        idx = comm.mask.select(3)
+        idx = comm.mask.select(3).index
         pos = int(idx[idx >= 12050][0])  # in 'w2', selected at step 3
         arrs[2].ravel()[pos - 12050] = np.nan
         before = copy.deepcopy(arrs)

@@ -35,22 +35,32 @@ def test_wire_roundtrip_keeps_exactly_each_tensors_topk(shapes, ratio, data_dtyp
     np.testing.assert_array_equal(out, expected)
 
 
-@settings(max_examples=100, deadline=None)
-@given(shapes=shapes_st, ratio=st.floats(0.05, 1.0), threshold=st.integers(0, 600), seed=st.integers(0, 2**31))
-def test_cyclic_mask_covers_each_compressible_element_once_per_cycle(shapes, ratio, threshold, seed):
+@settings(max_examples=150, deadline=None)
+@given(shapes=shapes_st, ratio=st.floats(0.05, 1.0), threshold=st.integers(0, 600), seed=st.integers(0, 2**31),
+       block=st.sampled_from([1, 1, 2, 7, 64]))
+def test_cyclic_mask_covers_each_compressible_element_once_per_cycle(shapes, ratio, threshold, seed, block):
     lay = Layout(shapes, "float32", dense_threshold=threshold)
-    mask = CyclicMask(lay, ratio, seed)
+    mask = CyclicMask(lay, ratio, seed, block)
     C = math.ceil(1 / ratio - 1e-9)
     assert mask.num_chunks == C
     seen = np.zeros(lay.total, int)
     sizes = []
+    x = np.random.default_rng(seed).standard_normal(lay.total).astype(np.float32)
     for t in range(1, C + 1):
-        idx = mask.select(t)
+        sel = mask.select(t)
+        idx = sel.index
         assert np.unique(idx).size == idx.size  # no duplicates
         assert set(lay.dense_index.tolist()) <= set(idx.tolist())  # always-dense elements every step
         seen[idx] += 1
-        sizes.append(idx.size - lay.dense_index.size)
+        sizes.append(np.unique(idx[lay.dense_index.size:] // block).size)  # runs in the chunk
+        # the gather and scatter equal plain indexing, whatever the run structure
+        np.testing.assert_array_equal(sel.take(x), x[idx])
+        np.testing.assert_array_equal(sel.take(x, out=np.empty(sel.size, np.float16)), x[idx].astype(np.float16))
+        y, z, vals = x.copy(), x.copy(), -np.arange(sel.size, dtype=np.float32)
+        sel.put(y, vals)
+        z[idx] = vals
+        np.testing.assert_array_equal(y, z)
     assert (seen[lay.dense_index] == C).all()
     assert (seen[lay.compressible_index] == 1).all()  # exactly once per cycle
-    assert max(sizes) - min(sizes) <= 1  # near-equal chunks, also when C does not divide the count
-    np.testing.assert_array_equal(mask.select(C + 1), mask.select(1))  # and the cycle repeats
+    assert max(sizes) - min(sizes) <= 1  # near-equal chunks (of runs), also when C does not divide the count
+    np.testing.assert_array_equal(mask.select(C + 1).index, mask.select(1).index)  # and the cycle repeats

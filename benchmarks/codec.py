@@ -1,0 +1,180 @@
+# python3 benchmarks/codec.py --out results/codec.csv
+"""Encode and decode speed of the codecs, one process, against plain baselines in the same run.
+
+Two parts, each timed with cold caches (a 128 MiB buffer is read before every repetition,
+so nothing of the data is left in the last-level cache), median and [p25, p75] over
+``--repeats`` repetitions after one warm-up:
+
+* **top-k selection** of the k largest magnitudes of n float32 values, exact:
+  ``slamb_comm.codecs.topk_indices`` against ``torch.topk(x.abs(), k)`` (if torch is
+  installed), ``np.argpartition(|x|, n - k)`` (not sorted, not tie-stable) and the stable
+  sort reference ``topk_indices_reference``. The fast one is checked equal to the reference
+  on every input before it is timed. Reported: GB/s read (4 n / time) and the ratio to torch.
+* **masked gather and scatter** of the cyclic mask's M_t (a ``ratio`` fraction of n float32,
+  ``Selection.take`` into the payload and ``Selection.put`` back), for the element mask
+  (``block=1``, ALGORITHM.md) and masks of whole runs of ``block`` elements
+  (``Communicator(block=...)``), against ``np.copyto`` of the same number of contiguous
+  bytes from a cold source: ``vs_copy`` = time / copy time (1.0 = as fast as a memcpy).
+
+Writes a CSV, a PNG next to it (unless ``--no-plot``) and prints markdown tables.
+"""
+
+import argparse
+import csv
+import os
+import time
+
+import numpy as np
+
+from slamb_comm.codecs import CyclicMask, Layout, topk_indices, topk_indices_reference
+
+try:
+    import torch
+except ImportError:  # the core does not need torch; its column is then left out
+    torch = None
+
+_FLUSH = np.ones(32 * 2**20, np.float32)  # 128 MiB
+
+
+def timed(fn, repeats):
+    """Median, p25, p75 seconds of ``fn()`` with a cold cache before each call (one warm-up)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        _FLUSH.sum()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return np.median(ts), np.percentile(ts, 25), np.percentile(ts, 75)
+
+
+def bench_topk(n, ratio, repeats, rng):
+    x = rng.standard_normal(n).astype(np.float32)
+    k = max(1, int(round(ratio * n)))
+    if not np.array_equal(topk_indices(x, k), topk_indices_reference(x, k)):
+        raise AssertionError(f"topk_indices differs from the reference at n={n}, k={k}")
+    arms = {"fast": lambda: topk_indices(x, k),
+            "argpartition": lambda: np.argpartition(np.abs(x), n - k)[n - k:],
+            "sort_reference": lambda: topk_indices_reference(x, k)}
+    if torch is not None:
+        tx = torch.from_numpy(x)
+        arms["torch.topk"] = lambda: torch.topk(tx.abs(), k, sorted=False)
+    rows = []
+    for name, fn in arms.items():
+        med, p25, p75 = timed(fn, repeats if name != "sort_reference" else max(1, repeats // 3))
+        rows.append({"part": "topk", "method": name, "elements": n, "ratio": ratio, "block": "",
+                     "seconds": med, "p25": p25, "p75": p75, "GBps": 4 * n / med / 1e9})
+    base = next((r["seconds"] for r in rows if r["method"] == "torch.topk"), None)
+    for r in rows:
+        r["vs_baseline"] = r["seconds"] / base if base else ""
+    return rows
+
+
+def bench_gather(n, ratio, blocks, repeats, rng):
+    x = rng.standard_normal(n).astype(np.float32)
+    lay = Layout([(n // 1024, 1024)], "float32", dense_threshold=0)
+    rows = []
+    for block in blocks:
+        sel = CyclicMask(lay, ratio, seed=1, block=block).select(1)
+        m = sel.size
+        out, vals = np.empty(m, np.float32), rng.standard_normal(m).astype(np.float32)
+        off = (n - m) // 2
+        dst = np.empty(m, np.float32)
+        copy, _, _ = timed(lambda: np.copyto(dst, x[off : off + m]), repeats)
+        for op, fn in (("gather", lambda: sel.take(x, out=out)), ("scatter", lambda: sel.put(x, vals))):
+            med, p25, p75 = timed(fn, repeats)
+            rows.append({"part": "mask", "method": op, "elements": n, "ratio": ratio, "block": block,
+                         "seconds": med, "p25": p25, "p75": p75, "GBps": 4 * m / med / 1e9,
+                         "vs_baseline": med / copy, "copy_seconds": copy})
+    return rows
+
+
+def markdown(rows):
+    lines = []
+    topk = [r for r in rows if r["part"] == "topk"]
+    if topk:
+        lines += ["| n | k / n | method | ms [p25, p75] | GB/s read | time / torch.topk |", "|---|---|---|---|---|---|"]
+        for r in topk:
+            rel = f"{r['vs_baseline']:.3f}" if r["vs_baseline"] != "" else "-"
+            lines.append(f"| 2^{int(np.log2(r['elements']))} | {r['ratio']:g} | {r['method']} | "
+                         f"{1e3 * r['seconds']:.2f} [{1e3 * r['p25']:.2f}, {1e3 * r['p75']:.2f}] | "
+                         f"{r['GBps']:.2f} | {rel} |")
+        lines.append("")
+    mask = [r for r in rows if r["part"] == "mask"]
+    if mask:
+        lines += ["| n | k | block | memcpy ms | gather ms | gather / memcpy | scatter ms | scatter / memcpy |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for g in (r for r in mask if r["method"] == "gather"):
+            s = next(r for r in mask if r["method"] == "scatter" and r["elements"] == g["elements"]
+                     and r["ratio"] == g["ratio"] and r["block"] == g["block"])
+            lines.append(f"| 2^{int(np.log2(g['elements']))} | {g['ratio']:g} | {g['block']} | "
+                         f"{1e3 * g['copy_seconds']:.3f} | {1e3 * g['seconds']:.3f} | {g['vs_baseline']:.2f} | "
+                         f"{1e3 * s['seconds']:.3f} | {s['vs_baseline']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    topk = [r for r in rows if r["part"] == "topk"]
+    for (method, ratio) in sorted({(r["method"], r["ratio"]) for r in topk}):
+        rs = sorted((r for r in topk if r["method"] == method and r["ratio"] == ratio), key=lambda r: r["elements"])
+        a.plot([r["elements"] for r in rs], [r["GBps"] for r in rs], marker="o", label=f"{method} k/n={ratio:g}")
+    a.set(xscale="log", yscale="log", xlabel="elements", ylabel="GB/s read", title="exact top-k selection")
+    a.legend(fontsize=6)
+    mask = [r for r in rows if r["part"] == "mask"]
+    for (op, ratio, n) in sorted({(r["method"], r["ratio"], r["elements"]) for r in mask}):
+        rs = sorted((r for r in mask if (r["method"], r["ratio"], r["elements"]) == (op, ratio, n)),
+                    key=lambda r: r["block"])
+        b.plot([r["block"] for r in rs], [r["vs_baseline"] for r in rs], marker="o",
+               label=f"{op} k={ratio:g} n=2^{int(np.log2(n))}")
+    b.axhline(2.0, color="grey", ls="--", lw=1)
+    b.set(xscale="log", yscale="log", xlabel="mask run length (block)", ylabel="time / memcpy of the same bytes",
+          title="masked gather / scatter")
+    b.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="20,22,24", help="log2 element counts")
+    ap.add_argument("--ratios", default="0.1,0.01,0.001")
+    ap.add_argument("--blocks", default="1,16,64,256,1024", help="cyclic mask run lengths")
+    ap.add_argument("--parts", default="topk,mask")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default="results/codec.csv")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    parts = args.parts.split(",")
+    blocks = [int(b) for b in args.blocks.split(",")]
+    rows = []
+    for lg in (int(s) for s in args.sizes.split(",")):
+        for ratio in (float(r) for r in args.ratios.split(",")):
+            if "topk" in parts:
+                rows += bench_topk(2**lg, ratio, args.repeats, rng)
+            if "mask" in parts:
+                rows += bench_gather(2**lg, ratio, blocks, args.repeats, rng)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fields = ["part", "method", "elements", "ratio", "block", "seconds", "p25", "p75", "GBps", "vs_baseline",
+              "copy_seconds"]
+    with open(args.out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    print(markdown(rows))
+    if not args.no_plot:
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot(rows, png)
+        print(f"wrote {args.out} and {png}")
+    else:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
