@@ -61,7 +61,7 @@ def bench_topk(n, ratio, repeats, rng):
         arms["torch.topk"] = lambda: torch.topk(tx.abs(), k, sorted=False)
     rows = []
     for name, fn in arms.items():
-        med, p25, p75 = timed(fn, repeats if name != "sort_reference" else max(1, repeats // 3))
+        med, p25, p75 = timed(fn, repeats if name != "sort_reference" else max(1, repeats // 5))
         rows.append({"part": "topk", "method": name, "elements": n, "ratio": ratio, "block": "",
                      "seconds": med, "p25": p25, "p75": p75, "GBps": 4 * n / med / 1e9})
     base = next((r["seconds"] for r in rows if r["method"] == "torch.topk"), None)
@@ -146,7 +146,7 @@ def main(argv=None):
     ap.add_argument("--ratios", default="0.1,0.01,0.001")
     ap.add_argument("--blocks", default="1,16,64,256,1024", help="cyclic mask run lengths")
     ap.add_argument("--parts", default="topk,mask")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="results/codec.csv")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)

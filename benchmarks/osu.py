@@ -112,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--ratios", default="1,0.1,0.01,0.001")
     ap.add_argument("--dtypes", default="float32,float16", help="payload dtypes")
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--block", type=int, default=1,
+                    help="masked: the cyclic mask's run length (1 = single elements, as in ALGORITHM.md)")
     ap.add_argument("--iters", type=int, default=30, help="at most this many timed iterations")
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=2.0, help="stop timing an arm after this much")
@@ -176,7 +178,7 @@ def main(argv=None):
     def record(n, method, ratio, vd, lat, payload, wire, lasts=(), extra=None):
         row = {
             "ranks": P, "log2": int(round(math.log2(n))), "elements": n, "method": method, "ratio": ratio,
-            "payload_dtype": vd, "iters": len(lat),
+            "payload_dtype": vd, "mask_block": args.block if method == "masked" else "", "iters": len(lat),
             "lat_median_s": statistics.median(lat), "lat_p25_s": pct(lat, 25), "lat_p75_s": pct(lat, 75),
             "lat_min_s": min(lat), "lat_max_s": max(lat),
             "payload_bytes": payload, "wire_bytes": wire, "dense_bytes": 4 * n,
@@ -256,7 +258,8 @@ def main(argv=None):
                 continue
             for ratio in ratios:
                 for vd in dtypes:
-                    comm = sc.Communicator(transport, layout, ratio=ratio, mask="cyclic", value_dtype=vd, seed=7)
+                    comm = sc.Communicator(transport, layout, ratio=ratio, mask="cyclic", value_dtype=vd, seed=7,
+                                           block=args.block if m == "masked" else 1)
                     x = x0.copy()
                     if m == "masked":
                         fn = (lambda i, comm=comm, x=x: comm.masked_allreduce(x, i))
@@ -300,7 +303,8 @@ def label(r):
     if r["method"] in ("mpi", "hvd", "hvd_fp16"):
         return {"mpi": "MPI allreduce", "hvd": "Horovod allreduce", "hvd_fp16": "Horovod fp16"}[r["method"]] + (
             " fp16" if r["method"] == "mpi" and r["payload_dtype"] == "float16" else "")
-    kind = "masked allreduce" if r["method"] == "masked" else "top-k allgather"
+    runs = str(r.get("mask_block", "") or "1")
+    kind = "masked allreduce" + (f" (runs of {runs})" if runs != "1" else "") if r["method"] == "masked" else "top-k allgather"
     return f"{kind} {'fp16' if r['payload_dtype'] == 'float16' else 'fp32'} k={float(r['ratio']):g}"
 
 

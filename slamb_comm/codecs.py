@@ -9,7 +9,8 @@ communicator strings these together with a transport.
 * :func:`topk_indices`: exact top-k by magnitude; :func:`k_elems` the fixed count
   ``max(1, round(ratio * n))`` per tensor, so an allgather needs no size exchange.
 * :class:`CyclicMask`, :class:`BernoulliMask`, :class:`TopKUnionMask`: the masks M_t of
-  ALGORITHM.md section 1, drawn from generators the mask owns (never a global RNG).
+  ALGORITHM.md section 1, drawn from generators the mask owns (never a global RNG). Their
+  ``select(t)`` gives a :class:`Selection`: the positions of M_t and the gather/scatter on them.
 * :class:`TopKWire`: one rank's top-k payload as one byte buffer
   ``[status int32, pad int32 | indices int32 x K | values x K]``.
 """
@@ -178,22 +179,20 @@ def topk_indices(x, k):
         return xp.zeros(0, dtype=np.int64)
     if n <= _SMALL:
         return topk_indices_reference(x, k)
-    mag = xp.abs(x)
     # Strided sample: deterministic, and a perfect quantile sample for sorted inputs.
-    sample = xp.sort(mag[:: max(1, n // 65536)])
+    sample = xp.sort(xp.abs(x[:: max(64, n // 65536)]))
     s = sample.size
     want = k / n * s  # expected number of sample points above the k-th largest magnitude
     margin = 4.0 * math.sqrt(want + 1.0) + 8
     lo_rank, hi_rank = int(want + margin), int(want - margin)
     while True:
         lo = sample[max(0, s - 1 - lo_rank)]  # a little below the k-th largest magnitude
-        cand = xp.flatnonzero(mag >= lo)
+        cand, vals = _candidates(xp, x, lo)
         if cand.size >= k or lo_rank >= s - 1:
             break
         lo_rank = 2 * lo_rank + 1  # rare: too few candidates, lower the threshold
     if cand.size < k:  # even the sample's minimum is above the k-th largest: every element is a candidate
-        cand = xp.arange(n, dtype=np.int64)
-    vals = mag[cand]
+        cand, vals = xp.arange(n, dtype=np.int64), xp.abs(x)
     c = cand.size
     if c == k:
         return cand.astype(np.int64, copy=False)
@@ -212,6 +211,29 @@ def topk_indices(x, k):
         tie = xp.flatnonzero(vals == kth)[: k - n_above]
         above[tie] = True
     return cand[above].astype(np.int64, copy=False)
+
+
+_CHUNK = 1 << 18
+
+
+def _candidates(xp, x, lo):
+    """Positions and magnitudes of the entries of ``x`` with ``|x| >= lo``, in order. On the
+    CPU in cache-sized chunks: one read of ``x``, no full-size temporaries."""
+    if xp is not np:
+        mag = xp.abs(x)
+        cand = xp.flatnonzero(mag >= lo)
+        return cand, mag[cand]
+    mag, hit = np.empty(min(x.size, _CHUNK), x.dtype), np.empty(min(x.size, _CHUNK), bool)
+    cands, vals = [], []
+    for o in range(0, x.size, _CHUNK):
+        n = min(_CHUNK, x.size - o)
+        m, h = mag[:n], hit[:n]
+        np.abs(x[o : o + n], out=m)
+        np.greater_equal(m, lo, out=h)
+        nz = np.flatnonzero(h)
+        cands.append(nz + o)
+        vals.append(m[nz])
+    return np.concatenate(cands), np.concatenate(vals)
 
 
 class Selection:
@@ -238,34 +260,46 @@ class Selection:
         """NumPy sees the positions (``np.asarray(selection)``; host selections only)."""
         return self.index if dtype is None else self.index.astype(dtype)
 
-    def _runs(self, a):
-        nb = a.size // self.block
-        return a[: nb * self.block].reshape(nb, self.block)
+    def _rows(self, a):
+        """``a``'s whole runs as the rows of a 2-D view."""
+        return a[: a.size // self.block * self.block].reshape(-1, self.block)
+
+    def _items(self, a):
+        """``a``'s whole runs as one opaque item each, so that NumPy's take and put copy a run
+        per item (a memcpy) instead of indexing rows."""
+        return a[: a.size // self.block * self.block].view(np.dtype((np.void, self.block * a.itemsize)))
 
     def take(self, a, out=None):
         """``a[index]`` (into ``out`` if given; ``out`` may have another dtype)."""
         xp = _arr.namespace(a)
         if out is None:
             out = xp.empty(self.size, a.dtype)
-        _take(xp, a, self.index[: self.head], out[: self.head])
-        if self.blocks is not None:
-            _take(xp, self._runs(a), self.blocks, out[self.head :].reshape(-1, self.block), axis=0)
+        head, tail = out[: self.head], out[self.head :]
+        if xp is np and out.dtype == a.dtype:  # no bounds checks: the positions come from the mask
+            if self.head:
+                np.take(a, self.index[: self.head], out=head, mode="clip")
+            if self.blocks is not None:
+                items = self._items(a)
+                np.take(items, self.blocks, out=tail.view(items.dtype), mode="clip")
+        else:
+            head[...] = a[self.index[: self.head]]
+            if self.blocks is not None:
+                tail.reshape(-1, self.block)[...] = self._rows(a)[self.blocks]
         return out
 
     def put(self, a, vals):
         """``a[index] = vals`` (``vals``: an array in payload order, or a scalar)."""
         scalar = not hasattr(vals, "shape")
+        if not scalar and _arr.namespace(a) is np and vals.dtype == a.dtype:  # no bounds checks, as in take
+            if self.head:
+                np.put(a, self.index[: self.head], vals[: self.head], mode="clip")
+            if self.blocks is not None:
+                items = self._items(a)
+                np.put(items, self.blocks, vals[self.head :].view(items.dtype), mode="clip")
+            return
         a[self.index[: self.head]] = vals if scalar else vals[: self.head]
         if self.blocks is not None:
-            self._runs(a)[self.blocks] = vals if scalar else vals[self.head :].reshape(-1, self.block)
-
-
-def _take(xp, a, idx, out, axis=None):
-    """``out[...] = a[idx]`` along ``axis`` with no bounds checks (``idx`` comes from a mask)."""
-    if xp is np and out.dtype == a.dtype:
-        np.take(a, idx, axis=axis, out=out, mode="clip")
-    else:
-        out[...] = a[idx]
+            self._rows(a)[self.blocks] = vals if scalar else vals[self.head :].reshape(-1, self.block)
 
 
 class _Mask:
