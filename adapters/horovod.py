@@ -749,7 +749,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
             raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
         if self._layout_problem is None:
             self._layout_problem = _changed_set(self, self._all_params)
-        self._pull(e)
+        try:
+            self._pull(e)
+        except ConfigError as err:  # an option fixed at construction changed on this rank: send it as a status
+            if self._layout_problem is None:
+                self._layout_problem = err
         t = e.rule.begin_step()
         e.open = True
         e.launched = {}
@@ -874,8 +878,9 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 e.launched = {}
 
     def _raise_changed(self, peer_err):
-        """On every rank alike: abandon the step; this rank's LayoutError if one of its parameters
-        changed, else a PeerError naming the ranks where one did (``peer_err``, or asked for here)."""
+        """On every rank alike: abandon the step; this rank's error (LayoutError: a parameter
+        changed; ConfigError: a fixed option changed) if it has one, else a PeerError naming the
+        ranks that do (``peer_err``, or asked for here)."""
         problem = self._layout_problem
         self._abort()
         if peer_err is None:  # which ranks: one more collective, on this failure path only
@@ -883,9 +888,9 @@ class _DistributedSlamb(torch.optim.Optimizer):
             codes = hvd.allgather(flag, name=f"slamb_comm.changed.{next(self._exchanges)}",
                                   process_set=self.process_set)
             ranks = [r for r, c in enumerate(codes.tolist()) if c]
-            peer_err = PeerError(f"SLAMB momentum exchange: rank(s) {ranks} have a parameter that changed after "
-                                 "the optimizer was built (see their error); the step was abandoned on every "
-                                 "rank and nothing was changed", ranks)
+            peer_err = PeerError(f"SLAMB momentum exchange: rank(s) {ranks} have a parameter or an option that "
+                                 "changed after the optimizer was built (see their error); the step was abandoned "
+                                 "on every rank and nothing was changed", ranks)
         raise problem if problem is not None else peer_err
 
     def _abort(self):

@@ -995,6 +995,32 @@ def test_parameter_changed_on_one_rank_raises_on_every_rank(kind, how):
     _nobody_waits(f"{kind}.{how}")
 
 
+@pytest.mark.parametrize("kind", ["slamb", "slamb-topk-mask"])
+@pytest.mark.parametrize("option,value", [("ratio", 0.5), ("value_dtype", "float16"), ("block", 16)])
+def test_fixed_option_changed_on_one_rank_raises_on_every_rank(kind, option, value):
+    """ratio, mask, value_dtype, dense_threshold and block are fixed at construction: changing one
+    in a param group on one rank raises ConfigError there and PeerError elsewhere, at that step."""
+    model = make_model(46)
+    opt = _changed_opt(kind, model)
+    train(model, opt, 2)
+    culprit = hvd.size() - 1
+    before = flat_params(model)
+    if hvd.rank() == culprit:
+        opt.param_groups[0][option] = value
+    opt.zero_grad()
+    loss_of(model, hvd.rank(), 3).backward()
+    if hvd.rank() == culprit:
+        with pytest.raises(slamb_comm.ConfigError, match="fixed at construction"):
+            opt.step()
+    else:
+        with pytest.raises(slamb_comm.PeerError) as info:
+            opt.step()
+        assert info.value.ranks == (culprit,)
+    assert np.array_equal(flat_params(model), before)
+    assert int(opt.state[model[0].weight]["step"]) == 2
+    _nobody_waits(f"option.{kind}.{option}")
+
+
 @pytest.mark.parametrize("kind", ["slamb", "slamb-topk-mask", "topk"])
 def test_parameter_changed_identically_on_every_rank_still_raises(kind):
     model = make_model(42)
