@@ -1076,8 +1076,9 @@ class _DistributedTopK(torch.optim.Optimizer):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     grads.append(_array(_as_compute(p.grad, dt)))
-                if b < len(self._topk) - 1:  # a later bucket may still fail: keep this error buffer
-                    saved.append((comm, None if comm.residual is None else comm.residual.copy()))
+                # A later bucket may still fail: keep this error buffer (the exchange replaces it
+                # with a new array and never writes into the old one, so no copy is needed).
+                saved.append((comm, comm.residual))
                 means.append(comm.sparse_allgather(grads))
         except Exception as err:  # raised on every rank, at the same bucket: start afresh
             for comm, residual in saved:

@@ -76,6 +76,8 @@ import sys
 import tempfile
 import time
 
+from csvout import write_rows
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -581,8 +583,8 @@ def bench_main(args):
                     rc, out, err = cl.mpirun([sys.executable, os.path.abspath(__file__), "loop", *base_loop,
                                               "--method", m], timeout=args.timeout)
                     _collect(rows, nodes, rate, m, rc, out, err)
-            _write(rows, args.out)
-    _write(rows, args.out)
+            write_rows(rows, args.out)
+    write_rows(rows, args.out)
     print(cluster_table(rows))
     print(f"wrote {args.out}")
     if not args.no_plot:
@@ -600,16 +602,6 @@ def _collect(rows, nodes, rate, method, rc, out, err):
     rows.append(res)
     print(f"[bench] {nodes} nodes, link {rate}, {method}: step {res['step_amortised_s'] * 1e3:.1f} ms "
           f"(compute {res['compute_median_s'] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
-
-
-def _write(rows, path):
-    fields = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def cluster_table(rows):
@@ -728,7 +720,7 @@ def lm_main(args):
                 else:
                     print(f"[lm] {rate} {opt}: FAILED rc={rc}\n{out[-2000:]}\n{err[-3000:]}", file=sys.stderr)
                 rows.append(row)
-                _write(rows, args.out)
+                write_rows(rows, args.out)
     shutil.rmtree(tmp, ignore_errors=True)
     print(lm_table(rows))
     print(f"wrote {args.out}")

@@ -20,12 +20,12 @@ Writes a CSV, a PNG next to it (unless ``--no-plot``) and prints markdown tables
 """
 
 import argparse
-import csv
 import os
 import time
 
 import numpy as np
 
+from csvout import write_rows
 from slamb_comm.codecs import CyclicMask, Layout, topk_indices, topk_indices_reference
 
 try:
@@ -160,13 +160,7 @@ def main(argv=None):
                 rows += bench_topk(2**lg, ratio, args.repeats, rng)
             if "mask" in parts:
                 rows += bench_gather(2**lg, ratio, blocks, args.repeats, rng)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    fields = ["part", "method", "elements", "ratio", "block", "seconds", "p25", "p75", "GBps", "vs_baseline",
-              "copy_seconds"]
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, restval="")
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(rows, args.out)
     print(markdown(rows))
     if not args.no_plot:
         png = os.path.splitext(args.out)[0] + ".png"

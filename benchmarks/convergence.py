@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from csvout import write_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAMB_GRID = (0.005, 0.01, 0.02)
@@ -110,10 +112,7 @@ def main(argv=None):
         lr_best = min(finals, key=lambda lr: float(finals[lr][-1]["val_loss"]))
         best[label] = finals[lr_best]
 
-    with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(all_rows[0]))
-        w.writeheader()
-        w.writerows(all_rows)
+    write_rows(all_rows, os.path.join(out_dir, "runs.csv"))
     plot(best, out_dir)
 
     ref = best.get("dense LAMB")

@@ -53,6 +53,8 @@ import math
 import os
 import statistics
 
+from csvout import write_rows
+
 MODELS = {"BERT-Large": 340e6, "BERT-XL": 2.8e9}
 WORKERS = [8, 16, 32, 64, 128, 256, 512, 1024]
 LINKS_GBIT = [10, 100]
@@ -173,11 +175,7 @@ def main(argv=None):
                     rows.append({"model": model, "params": n, "link_gbit": link, "workers": P, "method": meth,
                                  "step_s": tot, "compute_s": comp, "comm_s": comm, "encode_s": enc,
                                  "efficiency": comp / tot})
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(rows, args.out)
     batch = (f"{args.per_worker_batch} x {args.seq_len} tokens per worker (weak scaling)" if p["per_worker"] else
              f"global batch {args.global_batch} x {args.seq_len} tokens split over P workers (strong scaling)")
     assumptions = [

@@ -51,6 +51,7 @@ import sys
 import time
 
 import numpy as np
+from csvout import write_rows
 
 import slamb_comm as sc
 
@@ -135,7 +136,7 @@ def main(argv=None):
         for path in args.report.split(","):
             with open(path) as fh:
                 results += list(csv.DictReader(fh))
-        write_csv(results, args.out)
+        write_rows(results, args.out)
         print(markdown_table(results, table_sizes))
         print(f"wrote {args.out}")
         if not args.no_plot:
@@ -275,7 +276,7 @@ def main(argv=None):
             r["payload_vs_dense"] = r["payload_bytes"] / (4 * n)
             r["time_vs_dense"] = r["lat_median_s"] / base["lat_median_s"] if base else float("nan")
         if world.rank == 0:
-            write_csv(results, args.out)  # after every size: a partial run leaves its rows
+            write_rows(results, args.out)  # after every size: a partial run leaves its rows
             print(f"[osu] P={P} 2^{lg}: {len(size_rows)} arms done", file=sys.stderr, flush=True)
 
     if world.rank != 0:
@@ -286,17 +287,6 @@ def main(argv=None):
         prefix = args.plot or os.path.splitext(args.out)[0]
         for path in plot(results, prefix):
             print(f"wrote {path}")
-
-
-def write_csv(results, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fields = []
-    for r in results:
-        fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        w.writerows(results)
 
 
 def label(r):

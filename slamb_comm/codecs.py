@@ -320,11 +320,10 @@ class _Mask:
             self._device[key] = xp.asarray(host)
         return self._device[key]
 
-    def _with_dense(self, xp, part):
+    def _with_dense(self, xp, part, blocks=None, block=1):
+        """The Selection of the always-dense positions followed by ``part`` (whose tail is ``blocks``)."""
         dense = self._on(xp, "dense", self.layout.dense_index)
-        if dense.size == 0:
-            return Selection(part)
-        return Selection(xp.concatenate((dense, part)))
+        return Selection(xp.concatenate((dense, part)) if dense.size else part, blocks, block)
 
     def state_dict(self):
         return {"kind": self.kind, "ratio": self.ratio, "seed": self.seed}
@@ -364,14 +363,15 @@ class CyclicMask(_Mask):
         nb = layout.total // B  # runs that lie wholly inside the buffer
         whole_run = is_comp[: nb * B].reshape(nb, B).all(axis=1)
         offs = np.arange(B, dtype=comp.dtype)
-        self._chunks = []
+        self._chunks = []  # per chunk: its positions in payload order (loose elements, then whole runs), runs
         for c in chunks:
             whole = c < nb
             whole[whole] = whole_run[c[whole]]
-            full, part = c[whole], c[~whole]
-            elems = (part[:, None].astype(comp.dtype) * B + offs).ravel()
-            elems = elems[elems < layout.total]
-            self._chunks.append((elems[is_comp[elems]], full.astype(np.intp)))
+            full, partial = c[whole].astype(comp.dtype), c[~whole].astype(comp.dtype)
+            loose = (partial[:, None] * B + offs).ravel()
+            loose = loose[loose < layout.total]
+            runs = (full[:, None] * B + offs).ravel()
+            self._chunks.append((np.concatenate((loose[is_comp[loose]], runs)), full.astype(np.intp)))
 
     def chunk(self, step):
         return (int(step) - 1) % self.num_chunks
@@ -379,19 +379,9 @@ class CyclicMask(_Mask):
     def select(self, step, xp=np, flat=None, transport=None):
         """M_t as a :class:`Selection`: the dense part first, then the chunk of step ``t``."""
         j = self.chunk(step)
-        key = ("chunk", j)
-        elems, full = self._chunks[j]
-        if full is None:
-            return self._with_dense(xp, self._on(xp, key, elems))
-        if xp is np or key not in self._device:
-            B = self.block
-            runs = (full.astype(self.layout.index_dtype)[:, None] * B + np.arange(B, dtype=self.layout.index_dtype))
-            index = np.concatenate((self.layout.dense_index, elems, runs.ravel()))
-            if xp is np:
-                return Selection(index, full, B)
-            self._device[key] = (xp.asarray(index), xp.asarray(full))
-        index, full = self._device[key]
-        return Selection(index, full, self.block)
+        part, full = self._chunks[j]
+        blocks = None if full is None else self._on(xp, ("runs", j), full)
+        return self._with_dense(xp, self._on(xp, ("chunk", j), part), blocks, self.block)
 
     def state_dict(self):
         return {**super().state_dict(), "block": self.block}
