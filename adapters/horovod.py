@@ -55,7 +55,8 @@ import torch
 import horovod.torch as hvd
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout, check_block, check_ratio
+from slamb_comm.codecs import Layout, check_ratio
+from slamb_comm.masks import check_block
 from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerError
 from slamb_comm.slamb import Slamb
@@ -189,6 +190,51 @@ def _tensor_of(a):
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
 
 
+class _Params:
+    """The parameters of a bucket as a lazily read sequence of arrays of the bucket's dtype:
+    a view for float32/float64 parameters, a converted copy for 16-bit ones, made when the
+    core reads the tensor and written back (and dropped) when it calls :meth:`written`. So a
+    bfloat16 model never has more than one tensor's float32 copy alive."""
+
+    def __init__(self, e):
+        self.e = e
+        self._copy = {}
+
+    def __len__(self):
+        return len(self.e.params)
+
+    def __getitem__(self, i):
+        x = self._copy.get(i)
+        if x is None:
+            p = self.e.params[i]
+            x = _as_compute(p, self.e.dtype)
+            if x.data_ptr() != p.data_ptr():
+                self._copy[i] = x
+        return _array(x)
+
+    def written(self, i):
+        x = self._copy.pop(i, None)
+        if x is not None:
+            self.e.params[i].data.copy_(x)
+
+
+class _Grads:
+    """The gradients of a bucket as a lazily read sequence of arrays of the bucket's dtype
+    (zeros for a parameter without a gradient; converted per access for 16-bit ones)."""
+
+    def __init__(self, e):
+        self.e = e
+
+    def __len__(self):
+        return len(self.e.params)
+
+    def __getitem__(self, i):
+        p = self.e.params[i]
+        if p.grad is None:
+            return _arr.as_array(torch.zeros(p.shape, dtype=self.e.dtype, device=p.device))
+        return _array(_as_compute(p.grad, self.e.dtype))
+
+
 def _check_named_parameters(named_parameters, param_groups):
     """Horovod's checks: (name, tensor) tuples, unique names, every parameter named."""
     if named_parameters is not None:
@@ -261,7 +307,7 @@ class _Engine:
 
     __slots__ = (
         "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
-        "open", "pos", "mviews", "wire", "launched", "encode_s", "payload",
+        "open", "counts", "means", "wire", "launched", "encode_s", "payload",
     )
 
     def __init__(self, key, params, groups, names, dtype):
@@ -274,7 +320,7 @@ class _Engine:
         self.np_dtype = _np_dtype(dtype)
         self.comm = self.rule = None
         self.open = False
-        self.pos = self.mviews = None
+        self.counts = self.means = None
         self.wire = None
         self.launched = {}
         self.encode_s = 0.0
@@ -311,7 +357,7 @@ class SLAMB(torch.optim.Optimizer):
             waits for the whole backward pass).
         block: the cyclic mask's run length: 1 (default) picks single elements, as in the
             paper; a larger value picks runs of that many contiguous elements of the fused
-            buffer (see :class:`slamb_comm.codecs.CyclicMask`).
+            buffer (see :class:`slamb_comm.masks.CyclicMask`).
         value_dtype: ``'float32'`` or ``'float16'`` payload of the momentum exchange
             (16 bits halve the bytes).
         c_min, c_max: clamp of the layer-wise trust ratios.
@@ -463,8 +509,7 @@ class SLAMB(torch.optim.Optimizer):
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
                            on_nonfinite=g0["on_nonfinite"])
-            xp = _arr.namespace(_arr.as_array(torch.empty(1, dtype=e.dtype, device=params[0].device)))
-            self._import_state(e, {p: saved[p] for p in params if p in saved}, xp)
+            self._import_state(e, {p: saved[p] for p in params if p in saved})
             engines.append(e)
         self._engines = self._built = engines
 
@@ -473,49 +518,66 @@ class SLAMB(torch.optim.Optimizer):
             self._build_engines()
         return self._engines
 
-    def _import_state(self, e, raw, xp=None):
-        """Load ``raw`` (param -> saved state dict) into engine ``e`` exactly; fresh state if empty."""
+    def _import_state(self, e, raw):
+        """Load ``raw`` (param -> saved state dict) into engine ``e`` exactly; fresh state if empty.
+        The state is allocated on the parameters' device and filled tensor by tensor (no fused
+        host copy of the model); a saved freshness is used only where it is stored (the
+        bernoulli and topk masks: the cyclic mask derives it from the step and the seed)."""
         lay = e.comm.layout
-        if xp is None:
-            xp = e.rule.xp or np
-        comm_state = e.comm.state_dict()
         missing = [n for p, n in zip(e.params, e.names) if p not in raw or "exp_avg" not in raw[p]]
-        if len(missing) == len(e.params):
-            d = {"step": 0, "m": np.zeros(lay.total, e.np_dtype), "v": np.zeros(lay.total, e.np_dtype),
-                 "f": np.ones(lay.total, e.np_dtype), "comm": comm_state}
-        else:
-            have = [p for p in e.params if p in raw and "exp_avg" in raw[p]]
+        have = [p for p in e.params if p in raw and "exp_avg" in raw[p]]
+        step, comm_state = 0, e.comm.state_dict()
+        if have:
             steps = {int(float(raw[p]["step"])) for p in have}
             if len(steps) != 1 or (missing and steps != {0}):
                 raise ValueError(f"the SLAMB state to load mixes step counts {sorted(steps)} in one bucket"
                                  + (f" or lacks parameter(s) {missing[:5]}" if missing else ""))
-            wide = torch.float64 if e.np_dtype == np.float64 else torch.float32
-            have_ids = {id(p) for p in have}
-
-            def flat(key, fresh):
-                return np.concatenate([
-                    torch.as_tensor(raw[p][key]).detach().to("cpu", wide).reshape(-1).numpy()
-                    if id(p) in have_ids else np.full(n, fresh, e.np_dtype)
-                    for p, n in zip(e.params, lay.sizes)
-                ]).astype(e.np_dtype, copy=False)
-
-            seed = raw[have[0]].get("mask_seed", comm_state["seed"])
-            comm_state["seed"] = int(seed)
-            d = {"step": steps.pop(), "m": flat("exp_avg", 0.0), "v": flat("exp_avg_sq", 0.0),
-                 "f": flat("freshness", 1.0), "comm": comm_state}
-        e.rule.load_state_dict(d, xp=xp)
+            step = steps.pop()
+            comm_state["seed"] = int(raw[have[0]].get("mask_seed", comm_state["seed"]))
+        e.rule.load_state_dict({"step": step, "m": None, "v": None, "f": None, "comm": comm_state})
+        e.rule.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
+        stored = not e.rule.derived
+        for p, (o, n), shape in zip(have, [lay.segments()[e.index[p]] for p in have],
+                                    [lay.shapes[e.index[p]] for p in have]):
+            keys = [("exp_avg", e.rule.m), ("exp_avg_sq", e.rule.v)] + ([("freshness", e.rule._f)] if stored else [])
+            for key, buf in keys:
+                if key in raw[p]:
+                    _tensor_of(buf[o:o + n]).view(shape).copy_(torch.as_tensor(raw[p][key]).detach())
         self._publish(e)
 
     def _publish(self, e):
-        """Point each parameter's torch state at the committed fused buffers (no copy)."""
+        """Point each parameter's torch state at the fused buffers (no copy). The freshness is a
+        live view where it is stored; for the cyclic mask it is derived, and appears only in
+        :meth:`state_dict`."""
         r, lay = e.rule, e.comm.layout
         for p, (o, n), shape in zip(e.params, lay.segments(), lay.shapes):
             st = self.state[p]
             st["step"] = torch.tensor(float(r.t))
             st["exp_avg"] = _tensor_of(r.m[o:o + n]).view(shape)
             st["exp_avg_sq"] = _tensor_of(r.v[o:o + n]).view(shape)
-            st["freshness"] = _tensor_of(r.f[o:o + n]).view(shape)
+            if r.derived:
+                st.pop("freshness", None)
+            else:
+                st["freshness"] = _tensor_of(r._f[o:o + n]).view(shape)
             st["mask_seed"] = int(e.comm.seed)
+
+    def state_dict(self):
+        """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
+        cyclic mask): a float32 CPU tensor built here, so a checkpoint shows every element's
+        freshness; it is not needed to resume."""
+        sd = super().state_dict()
+        index = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+        for e in (self._engines if isinstance(self._engines, list) else []):
+            if not e.rule.derived:
+                continue
+            for i, p in enumerate(e.params):
+                k = index.get(id(p))
+                if k in sd["state"]:
+                    sd["state"][k] = dict(sd["state"][k], freshness=torch.from_numpy(e.rule.freshness(i)))
+        return sd
 
     def _pull(self, e):
         """Before a step: take in what was written into the torch state since the last step
@@ -542,17 +604,6 @@ class SLAMB(torch.optim.Optimizer):
     def _lr_wd(self, e):
         return [float(g["lr"]) for g in e.groups], [float(g["weight_decay"]) for g in e.groups]
 
-    def _param_arrays(self, e):
-        """The parameters as arrays of the engine's dtype: views, or copies for 16-bit ones."""
-        xs = [_as_compute(p, e.dtype) for p in e.params]
-        return xs, [_array(x) for x in xs]
-
-    @staticmethod
-    def _write_back(e, xs):
-        for p, x in zip(e.params, xs):
-            if x.data_ptr() != p.data_ptr():
-                p.data.copy_(x)
-
     def _grad_array(self, p, e):
         if p.grad is None:
             return _arr.as_array(torch.zeros(p.shape, dtype=e.dtype, device=p.device)), None
@@ -577,11 +628,9 @@ class SLAMB(torch.optim.Optimizer):
             if all(p.grad is None for p in e.params):
                 continue
             self._pull(e)
-            grads = [self._grad_array(p, e)[0] for p in e.params]
-            xs, arrs = self._param_arrays(e)
             lr, wd = self._lr_wd(e)
-            e.rule.step(arrs, grads, lr=lr, weight_decay=wd)
-            self._write_back(e, xs)
+            x = _Params(e)
+            e.rule.step(x, _Grads(e), lr=lr, weight_decay=wd, written=x.written)
             self._publish(e)
         return loss
 
@@ -754,13 +803,13 @@ class _DistributedSlamb(torch.optim.Optimizer):
         except ConfigError as err:  # an option fixed at construction changed on this rank: send it as a status
             if self._layout_problem is None:
                 self._layout_problem = err
-        t = e.rule.begin_step()
+        e.rule.begin_step()
         e.open = True
         e.launched = {}
         e.encode_s = 0.0
         e.payload = 0
-        e.mviews = e.rule.momentum_views()
-        e.pos = None if e.key[3][1] == "topk" else e.rule.mask_positions(t)
+        e.means = None
+        e.counts = None if e.key[3][1] == "topk" else e.rule.counts()
         e.wire = e.comm.value_dtype
 
     def _launch(self, p, redo=False):
@@ -774,28 +823,25 @@ class _DistributedSlamb(torch.optim.Optimizer):
             self._layout_problem = _changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
         changed = self._layout_problem is not None
         if not changed:
-            g, gt = self._grad_array(p, e)
+            g, _ = self._grad_array(p, e)
             self._consumed[p] = None if p.grad is None else (id(p.grad), p.grad._version)
-            e.rule.accumulate(i, g)
-        if e.pos is None:
+        if e.counts is None:  # topk mask: pick now, exchange fused after every gradient is in
+            if not changed:
+                e.rule.accumulate(i, g)
             e.launched[p] = None
             return
-        pos = e.pos[i]
-        buf = torch.empty(int(pos.size) + 1, dtype=_torch_dtype(e.wire), device=p.device)
-        # Status slot: 0, or inf if this rank's gradient (or its square, in v) is not finite,
-        # computed on the device without a host read; NaN if a parameter of this rank no longer
-        # fits its bucket (it still takes part, with zeros). The Average spreads inf/NaN to every rank.
+        buf = torch.empty(e.counts[i] + 1, dtype=_torch_dtype(e.wire), device=p.device)
+        # Status slot: 0, or inf if this rank's gradient is not finite (or its square would
+        # overflow v), computed on the device without a host read; NaN if a parameter of this rank
+        # no longer fits its bucket (it still takes part, with zeros). The Average spreads inf/NaN.
         if changed:
             buf.zero_()[-1] = math.nan
         else:
-            m = e.mviews[i].reshape(-1)
-            xp = _arr.namespace(m)
-            vals = m if pos.size == m.size else m[pos]
-            buf[:-1].copy_(_tensor_of(xp.ascontiguousarray(vals)))
-            if gt is not None and gt.numel():
-                lim = math.sqrt(float(np.finfo(e.np_dtype).max))
-                bad = (gt.abs().amax() >= lim) | torch.isnan(gt).any()
-                buf[-1:].copy_(torch.where(bad, math.inf, 0.0).reshape(1))
+            bad = e.rule.accumulate(i, g, out=_array(buf)[:-1])  # this rank's new momentum on M_t
+            if isinstance(bad, (bool, np.bool_)):
+                buf[-1] = math.inf if bad else 0.0
+            else:
+                buf[-1:].copy_(torch.where(torch.from_dlpack(bad), math.inf, 0.0).reshape(1))
         if self.op == hvd.Average:
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         else:
@@ -820,18 +866,18 @@ class _DistributedSlamb(torch.optim.Optimizer):
         t1 = time.perf_counter()
         flags, results, failed, changed = [], [], [], None
         for e in self._engines:
-            if e.open and e.pos is not None:
+            if e.open and e.counts is not None:
                 for p, (handle, buf) in e.launched.items():
                     out = hvd.synchronize(handle)
                     results.append((e, p, out))
                     flags.append(torch.isfinite(out).all())
         for e in self._engines:
-            if e.open and e.pos is None:  # topk mask: the core's fused exchange, after all moments
+            if e.open and e.counts is None:  # topk mask: the core's fused exchange, after all moments
                 try:
                     if self._layout_problem is not None:  # input the core rejects, collectively
                         e.comm.masked_allreduce([], e.rule.t + 1)
                     else:
-                        e.rule.exchange()
+                        e.rule.exchange(_Grads(e))
                 except NonFiniteError as err:  # raised on every rank; the core abandoned the step
                     e.open = False
                     failed.append((e, err))
@@ -858,20 +904,16 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
                 "the step was abandoned on every rank and no state was changed", (), names)
             return
-        for e, p, out in results:
-            i = e.index[p]
-            m = e.mviews[i].reshape(-1)
-            vals = _arr.as_array(out[:-1].to(e.dtype))
-            if e.pos[i].size == m.size:
-                m[...] = vals
-            else:
-                m[e.pos[i]] = vals
+        for e, p, out in results:  # the means, applied by step() (m is not touched before then)
+            if e.means is None:
+                e.means = [None] * len(e.params)
+            e.means[e.index[p]] = _array(out[:-1])
         t3 = time.perf_counter()
         for e in self._engines:
-            if e.open and e.pos is not None:
+            if e.open and e.counts is not None:
                 lay = e.comm.layout
                 dense = lay.total * lay.dtype.itemsize
-                sent = sum(int(x.size) for x in e.pos)
+                sent = sum(e.counts)
                 e.comm.stats.record("masked_allreduce", Traffic(
                     1, e.payload, allreduce_wire(e.payload, e.comm.size), dense, allreduce_wire(dense, e.comm.size),
                     sent, lay.total, e.encode_s, t2 - t1, t3 - t2))
@@ -899,6 +941,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 e.rule.abort_step()
                 e.open = False
                 e.launched = {}
+                e.means = None
         self._consumed = {}
         self._layout_problem = None
         for p in self._allreduce_delay:
@@ -968,11 +1011,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             if not e.open:
                 continue
-            xs, arrs = self._param_arrays(e)
             lr, wd = self._lr_wd(e)
             e.open = False
-            e.rule.apply(arrs, lr=lr, weight_decay=wd)
-            self._write_back(e, xs)
+            x = _Params(e)
+            e.rule.apply(x, _Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written)
+            e.means = None
             self._publish(e)
         self._consumed = {}
         return loss
@@ -1059,11 +1102,11 @@ class _DistributedTopK(torch.optim.Optimizer):
     def synchronize(self):
         """Exchange every gradient (zeros where a rank has none) and set ``p.grad`` to the mean.
 
-        All buckets or none: every bucket is exchanged before any ``p.grad`` is written, and if
-        a bucket fails (on every rank alike: NaN/Inf, or a parameter that changed on some rank)
-        the buckets before it get their error buffers back, so the step changes no state."""
+        All buckets or none: every bucket is exchanged before any error buffer or ``p.grad``
+        is written, and if a bucket fails (on every rank alike: NaN/Inf, or a parameter that
+        changed on some rank) no bucket commits, so the step changes no state."""
         problem = _changed_set(self, self._all_params)
-        means, saved = [], []
+        means = []
         try:
             for b, (_, ps, dt, comm) in enumerate(self._topk):
                 lay = comm.layout
@@ -1076,13 +1119,9 @@ class _DistributedTopK(torch.optim.Optimizer):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     grads.append(_array(_as_compute(p.grad, dt)))
-                # A later bucket may still fail: keep this error buffer (the exchange replaces it
-                # with a new array and never writes into the old one, so no copy is needed).
-                saved.append((comm, comm.residual))
-                means.append(comm.sparse_allgather(grads))
+                # A later bucket may still fail: commit the error buffers only once all succeeded.
+                means.append((comm, grads, comm.sparse_allgather(grads, commit=False)))
         except Exception as err:  # raised on every rank, at the same bucket: start afresh
-            for comm, residual in saved:
-                comm.residual = residual
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
             self._pending = False
@@ -1092,7 +1131,9 @@ class _DistributedTopK(torch.optim.Optimizer):
                 self._skip_nonfinite(err)
                 return
             raise
-        for (_, ps, _, comm), mean in zip(self._topk, means):
+        for comm, _, _ in means:
+            comm.commit_residual()  # from the local gradients, still in p.grad
+        for (_, ps, _, comm), (_, _, mean) in zip(self._topk, means):
             for p, m in zip(ps, mean):
                 out = _tensor_of(m)
                 if self.op == hvd.Sum:
@@ -1168,8 +1209,7 @@ class _DistributedTopK(torch.optim.Optimizer):
                 st = c.state_dict()
                 st.update(seed=s["seed"], digest=s["digest"],
                           residual=None if s["residual"] is None else s["residual"].numpy())
-                xp = _arr.namespace(_arr.as_array(torch.empty(1, device=ps[0].device)))
-                c.load_state_dict(st, xp=xp)
+                c.load_state_dict(st)  # the error buffer moves to the gradients' device at the next exchange
 
 
 # ---------------------------------------------------------------------------- the factory

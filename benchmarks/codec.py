@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 from csvout import write_rows
-from slamb_comm.codecs import CyclicMask, Layout, topk_indices, topk_indices_reference
+from slamb_comm.codecs import Layout, topk_indices, topk_indices_reference
+from slamb_comm.masks import CyclicMask
 
 try:
     import torch

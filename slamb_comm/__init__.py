@@ -11,12 +11,13 @@ single process, and imports neither torch nor horovod:
 >>> comm.stats.total.calls
 2
 
-See :class:`Communicator` for the exchanges, :mod:`slamb_comm.codecs` for the codecs
-and masks, :mod:`slamb_comm.transports` for the transports.
+See :class:`Communicator` for the exchanges, :mod:`slamb_comm.codecs` for the codecs,
+:mod:`slamb_comm.masks` for the masks, :mod:`slamb_comm.transports` for the transports.
 """
 
-from .codecs import BernoulliMask, CyclicMask, Layout, TopK, TopKUnionMask, k_elems, topk_indices
+from .codecs import Layout, TopK, k_elems, topk_indices
 from .communicator import Communicator
+from .masks import BernoulliMask, CyclicMask, TopKUnionMask
 from .errors import (
     ConfigError,
     DTypeError,

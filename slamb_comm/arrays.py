@@ -5,13 +5,14 @@ The library of an array is found by looking at the array itself and at
 slamb_comm, CuPy is never loaded (a test in a fresh subprocess checks this).
 """
 
+import contextlib
 import sys
 
 import numpy as np
 
 from .errors import DTypeError
 
-__all__ = ["namespace", "as_array", "is_cupy", "to_host", "synchronize"]
+__all__ = ["namespace", "as_array", "is_cupy", "to_host", "synchronize", "device_scope"]
 
 # DLPack device types (dlpack.h): kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13.
 _DL_CPU = (1, 3)
@@ -54,22 +55,44 @@ def as_array(x):
     tensor, a JAX array) is imported with DLPack: CPU memory becomes a NumPy array, CUDA
     memory a CuPy array (CuPy is imported only then). The result shares memory with
     ``x``, so in-place updates are seen by the owner of ``x``.
+
+    Raises:
+        DTypeError: the object's dtype has no NumPy/CuPy equivalent (bfloat16, for
+            example), whatever exception the DLPack import itself would raise, so that the
+            communicator can turn it into a collective error.
+        TypeError: ``x`` is not an array at all.
     """
     if isinstance(x, np.ndarray) or is_cupy(x):
         return x
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dt = str(getattr(x, "dtype", ""))
+        if "bfloat16" in dt:
+            raise DTypeError(f"cannot exchange {dt} arrays: NumPy and CuPy have no bfloat16; convert to float32 "
+                             "(the torch adapters do this for you)")
         dev_type, _ = x.__dlpack_device__()
-        if int(dev_type) in _DL_CPU:
-            return np.from_dlpack(x)
-        if int(dev_type) in _DL_CUDA:
-            import cupy  # a CUDA array was handed to us, so CuPy is needed
+        try:
+            if int(dev_type) in _DL_CPU:
+                return np.from_dlpack(x)
+            if int(dev_type) in _DL_CUDA:
+                import cupy  # a CUDA array was handed to us, so CuPy is needed
 
-            return cupy.from_dlpack(x)
+                return cupy.from_dlpack(x)
+        except Exception as e:  # noqa: BLE001 -- BufferError, RuntimeError, ...: one named error instead
+            raise DTypeError(f"cannot import {type(x).__module__}.{type(x).__name__} of dtype {dt or '?'} "
+                             f"through DLPack: {e}") from e
         raise TypeError(f"DLPack device type {int(dev_type)} is neither CPU nor CUDA")
     raise TypeError(
         f"cannot use {type(x).__module__}.{type(x).__name__} as an array: "
         "pass a numpy/cupy array or an object with __dlpack__"
     )
+
+
+def device_scope(x):
+    """A context in which new arrays are allocated on ``x``'s device (CuPy allocates on its
+    *current* device, not on its inputs'); a no-op context for NumPy arrays."""
+    if isinstance(x, np.ndarray):
+        return contextlib.nullcontext()
+    return x.device
 
 
 def to_host(x):

@@ -1,18 +1,18 @@
-"""Codecs: the fused layout, exact top-k, shared random masks, and the wire layout.
+"""Codecs: the fused layout, exact top-k, and the top-k wire layout.
 
 Everything here is pure array code (NumPy or CuPy), with no communication: the
-communicator strings these together with a transport.
+communicator strings these together with a transport. The masks M_t live in
+:mod:`slamb_comm.masks`.
 
 * :class:`Layout`: many tensors viewed as one contiguous fused buffer, with the
   always-dense rule of ALGORITHM.md section 1 (ndim <= 1 or fewer than
-  ``dense_threshold`` elements).
+  ``dense_threshold`` elements). It keeps O(number of tensors) numbers, never an
+  array of positions.
 * :func:`topk_indices`: exact top-k by magnitude; :func:`k_elems` the fixed count
   ``max(1, round(ratio * n))`` per tensor, so an allgather needs no size exchange.
-* :class:`CyclicMask`, :class:`BernoulliMask`, :class:`TopKUnionMask`: the masks M_t of
-  ALGORITHM.md section 1, drawn from generators the mask owns (never a global RNG). Their
-  ``select(t)`` gives a :class:`Selection`: the positions of M_t and the gather/scatter on them.
 * :class:`TopKWire`: one rank's top-k payload as one byte buffer
-  ``[status int32, pad int32 | indices int32 x K | values x K]``.
+  ``[status int32, pad int32 | indices int32 x K | pad | values x K | pad]``, 8-byte
+  aligned, so that every rank's payload in an allgather buffer starts aligned.
 """
 
 import hashlib
@@ -31,11 +31,6 @@ __all__ = [
     "k_elems",
     "topk_indices",
     "topk_indices_reference",
-    "CyclicMask",
-    "BernoulliMask",
-    "TopKUnionMask",
-    "make_mask",
-    "Selection",
     "TopK",
     "TopKWire",
 ]
@@ -96,12 +91,20 @@ class Layout:
             self.offsets.append(self.offsets[-1] + n)
         self.total = self.offsets.pop()
         self.dense = [len(s) <= 1 or n < self.dense_threshold for s, n in zip(self.shapes, self.sizes)]
-        itype = np.int32 if self.total < 2**31 else np.int64
-        self.index_dtype = np.dtype(itype)
-        parts_dense = [np.arange(o, o + n, dtype=itype) for o, n, d in zip(self.offsets, self.sizes, self.dense) if d]
-        parts_comp = [np.arange(o, o + n, dtype=itype) for o, n, d in zip(self.offsets, self.sizes, self.dense) if not d]
-        self.dense_index = np.concatenate(parts_dense) if parts_dense else np.zeros(0, itype)
-        self.compressible_index = np.concatenate(parts_comp) if parts_comp else np.zeros(0, itype)
+        self.index_dtype = np.dtype(np.int32 if self.total < 2**31 else np.int64)
+        self.compressible = [i for i, d in enumerate(self.dense) if not d and self.sizes[i]]
+
+    @property
+    def dense_index(self):
+        """Positions of the always-dense elements (built on demand: O(total); for tests and inspection)."""
+        parts = [np.arange(o, o + n) for o, n, d in zip(self.offsets, self.sizes, self.dense) if d]
+        return np.concatenate(parts).astype(self.index_dtype) if parts else np.zeros(0, self.index_dtype)
+
+    @property
+    def compressible_index(self):
+        """Positions of the compressible elements (built on demand: O(total); for tests and inspection)."""
+        parts = [np.arange(o, o + n) for o, n, d in zip(self.offsets, self.sizes, self.dense) if not d]
+        return np.concatenate(parts).astype(self.index_dtype) if parts else np.zeros(0, self.index_dtype)
 
     @classmethod
     def from_arrays(cls, arrays, names=None, dense_threshold=9000):
@@ -134,6 +137,10 @@ class Layout:
         """Per-tensor views (shaped like the tensors) into a fused 1-D buffer."""
         return [flat[o : o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
+    def flat_views(self, flat):
+        """Per-tensor 1-D views into a fused 1-D buffer."""
+        return [flat[o : o + n] for o, n in zip(self.offsets, self.sizes)]
+
     def segments(self):
         """``(offset, size)`` of every tensor."""
         return list(zip(self.offsets, self.sizes))
@@ -144,12 +151,15 @@ def topk_indices_reference(x, k):
 
     Defines the exact result every faster selection must reproduce: the ``k`` largest
     ``|x|``, ties broken in favour of the lower index, returned in increasing index order.
-    O(n log n); used for small inputs and in tests.
+    O(n log n) on the CPU (used for small inputs and in tests); on a GPU a radix sort, with
+    no synchronisation with the host.
     """
     xp = _arr.namespace(x)
     n = x.size
     k = max(0, min(int(k), n))
-    order = xp.argsort(-xp.abs(x), kind="stable")[:k]
+    key = xp.abs(x)
+    xp.negative(key, out=key)
+    order = xp.argsort(key, kind="stable")[:k]
     return xp.sort(order).astype(np.int64)
 
 
@@ -177,7 +187,9 @@ def topk_indices(x, k):
         return xp.arange(n, dtype=np.int64)
     if k <= 0:
         return xp.zeros(0, dtype=np.int64)
-    if n <= _SMALL:
+    if n <= _SMALL or xp is not np:
+        # On a GPU: one stable sort (radix) and no host read; the candidate pass below needs
+        # the candidates' count on the host, a synchronisation per tensor.
         return topk_indices_reference(x, k)
     # Strided sample: deterministic, and a perfect quantile sample for sorted inputs.
     sample = xp.sort(xp.abs(x[:: max(64, n // 65536)]))
@@ -217,12 +229,8 @@ _CHUNK = 1 << 18
 
 
 def _candidates(xp, x, lo):
-    """Positions and magnitudes of the entries of ``x`` with ``|x| >= lo``, in order. On the
-    CPU in cache-sized chunks: one read of ``x``, no full-size temporaries."""
-    if xp is not np:
-        mag = xp.abs(x)
-        cand = xp.flatnonzero(mag >= lo)
-        return cand, mag[cand]
+    """Positions and magnitudes of the entries of ``x`` with ``|x| >= lo``, in order, in
+    cache-sized chunks: one read of ``x``, no full-size temporaries (NumPy only)."""
     mag, hit = np.empty(min(x.size, _CHUNK), x.dtype), np.empty(min(x.size, _CHUNK), bool)
     cands, vals = [], []
     for o in range(0, x.size, _CHUNK):
@@ -234,215 +242,6 @@ def _candidates(xp, x, lo):
         cands.append(nz + o)
         vals.append(m[nz])
     return np.concatenate(cands), np.concatenate(vals)
-
-
-class Selection:
-    """M_t of one step: the positions in the fused buffer, and the gather and scatter on them.
-
-    ``index`` lists every position in payload order: the always-dense elements, then any
-    elements listed one by one, then ``blocks`` (ids of whole runs of ``block`` contiguous
-    elements starting at ``id * block``) in order. Element masks have no blocks. With
-    blocks, :meth:`take` and :meth:`put` copy whole runs (a near-memcpy) instead of single
-    elements (a random access per element).
-    """
-
-    def __init__(self, index, blocks=None, block=1):
-        self.index = index
-        self.size = int(index.size)
-        self.block = int(block)
-        self.blocks = blocks if blocks is not None and blocks.size else None
-        self.head = self.size - (0 if self.blocks is None else self.blocks.size * self.block)
-
-    def __len__(self):
-        return self.size
-
-    def __array__(self, dtype=None, copy=None):
-        """NumPy sees the positions (``np.asarray(selection)``; host selections only)."""
-        return self.index if dtype is None else self.index.astype(dtype)
-
-    def _rows(self, a):
-        """``a``'s whole runs as the rows of a 2-D view."""
-        return a[: a.size // self.block * self.block].reshape(-1, self.block)
-
-    def _items(self, a):
-        """``a``'s whole runs as one opaque item each, so that NumPy's take and put copy a run
-        per item (a memcpy) instead of indexing rows."""
-        return a[: a.size // self.block * self.block].view(np.dtype((np.void, self.block * a.itemsize)))
-
-    def take(self, a, out=None):
-        """``a[index]`` (into ``out`` if given; ``out`` may have another dtype)."""
-        xp = _arr.namespace(a)
-        if out is None:
-            out = xp.empty(self.size, a.dtype)
-        head, tail = out[: self.head], out[self.head :]
-        if xp is np and out.dtype == a.dtype:  # no bounds checks: the positions come from the mask
-            if self.head:
-                np.take(a, self.index[: self.head], out=head, mode="clip")
-            if self.blocks is not None:
-                items = self._items(a)
-                np.take(items, self.blocks, out=tail.view(items.dtype), mode="clip")
-        else:
-            head[...] = a[self.index[: self.head]]
-            if self.blocks is not None:
-                tail.reshape(-1, self.block)[...] = self._rows(a)[self.blocks]
-        return out
-
-    def put(self, a, vals):
-        """``a[index] = vals`` (``vals``: an array in payload order, or a scalar)."""
-        scalar = not hasattr(vals, "shape")
-        if not scalar and _arr.namespace(a) is np and vals.dtype == a.dtype:  # no bounds checks, as in take
-            if self.head:
-                np.put(a, self.index[: self.head], vals[: self.head], mode="clip")
-            if self.blocks is not None:
-                items = self._items(a)
-                np.put(items, self.blocks, vals[self.head :].view(items.dtype), mode="clip")
-            return
-        a[self.index[: self.head]] = vals if scalar else vals[: self.head]
-        if self.blocks is not None:
-            self._rows(a)[self.blocks] = vals if scalar else vals[self.head :].reshape(-1, self.block)
-
-
-class _Mask:
-    kind = ""
-
-    def __init__(self, layout, ratio, seed):
-        self.layout = layout
-        self.ratio = check_ratio(ratio)
-        self.seed = int(seed)
-        self._device = {}
-
-    def _on(self, xp, name, host):
-        """``host`` on the device of ``xp`` (cached by name)."""
-        if xp is np:
-            return host
-        key = (xp.__name__, name)
-        if key not in self._device:
-            self._device[key] = xp.asarray(host)
-        return self._device[key]
-
-    def _with_dense(self, xp, part, blocks=None, block=1):
-        """The Selection of the always-dense positions followed by ``part`` (whose tail is ``blocks``)."""
-        dense = self._on(xp, "dense", self.layout.dense_index)
-        return Selection(xp.concatenate((dense, part)) if dense.size else part, blocks, block)
-
-    def state_dict(self):
-        return {"kind": self.kind, "ratio": self.ratio, "seed": self.seed}
-
-
-class CyclicMask(_Mask):
-    """The paper's random-k mask: chunks of one shared random permutation, in turn.
-
-    At construction, the compressible elements' positions are permuted by a generator
-    seeded with ``seed`` (which every rank must share: the communicator broadcasts it
-    from rank 0) and cut into ``C = ceil(1 / ratio)`` chunks of near-equal size. Step
-    ``t`` (1-based) selects chunk ``(t - 1) mod C`` plus every always-dense element, so
-    each compressible element is synchronised exactly once every C steps.
-
-    ``block`` > 1 permutes runs instead of elements: the fused buffer is cut into runs of
-    ``block`` contiguous positions (run ``j`` = ``[j*block, (j+1)*block)``), every run
-    holding a compressible element takes part in the permutation, and a run is selected
-    with all of its compressible elements. Staleness is still exactly C; the gather and
-    scatter copy whole runs. ``block=1`` (default) is ALGORITHM.md's element mask.
-    """
-
-    kind = "cyclic"
-
-    def __init__(self, layout, ratio, seed, block=1):
-        super().__init__(layout, ratio, seed)
-        self.block = check_block(block)
-        self.num_chunks = math.ceil(1.0 / self.ratio - 1e-9)
-        B, comp = self.block, layout.compressible_index
-        runs = np.unique(comp // B) if B > 1 else comp
-        perm = np.random.Generator(np.random.PCG64(self.seed)).permutation(runs)
-        chunks = [np.sort(c) for c in np.array_split(perm, self.num_chunks)]
-        if B == 1:
-            self._chunks = [(c, None) for c in chunks]
-            return
-        is_comp = np.zeros(layout.total, bool)
-        is_comp[comp] = True
-        nb = layout.total // B  # runs that lie wholly inside the buffer
-        whole_run = is_comp[: nb * B].reshape(nb, B).all(axis=1)
-        offs = np.arange(B, dtype=comp.dtype)
-        self._chunks = []  # per chunk: its positions in payload order (loose elements, then whole runs), runs
-        for c in chunks:
-            whole = c < nb
-            whole[whole] = whole_run[c[whole]]
-            full, partial = c[whole].astype(comp.dtype), c[~whole].astype(comp.dtype)
-            loose = (partial[:, None] * B + offs).ravel()
-            loose = loose[loose < layout.total]
-            runs = (full[:, None] * B + offs).ravel()
-            self._chunks.append((np.concatenate((loose[is_comp[loose]], runs)), full.astype(np.intp)))
-
-    def chunk(self, step):
-        return (int(step) - 1) % self.num_chunks
-
-    def select(self, step, xp=np, flat=None, transport=None):
-        """M_t as a :class:`Selection`: the dense part first, then the chunk of step ``t``."""
-        j = self.chunk(step)
-        part, full = self._chunks[j]
-        blocks = None if full is None else self._on(xp, ("runs", j), full)
-        return self._with_dense(xp, self._on(xp, ("chunk", j), part), blocks, self.block)
-
-    def state_dict(self):
-        return {**super().state_dict(), "block": self.block}
-
-
-def check_block(block):
-    """A run length of the cyclic mask: an integer >= 1."""
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
-        raise ConfigError(f"block must be an integer >= 1, got {block!r}")
-    return int(block)
-
-
-class BernoulliMask(_Mask):
-    """Each compressible element is in M_t with probability ``ratio``, independently.
-
-    Drawn on the host from ``numpy.random.Generator(PCG64([seed, t]))``: the same on every
-    rank, reproducible from (seed, t) alone. Staleness is unbounded.
-    """
-
-    kind = "bernoulli"
-
-    def select(self, step, xp=np, flat=None, transport=None):
-        comp = self.layout.compressible_index
-        rng = np.random.Generator(np.random.PCG64([self.seed, int(step)]))
-        part = comp[rng.random(comp.size) < self.ratio]
-        return self._with_dense(xp, xp.asarray(part) if xp is not np else part)
-
-
-class TopKUnionMask(_Mask):
-    """Each rank picks, per compressible tensor, the ``k_elems(ratio, n)`` largest ``|flat|``;
-    M_t is the union over ranks (indices are allgathered first), plus the dense elements.
-    """
-
-    kind = "topk"
-
-    def select(self, step, xp=np, flat=None, transport=None):
-        if flat is None or transport is None:
-            raise ConfigError("the topk mask needs the data and a transport to select indices")
-        lay = self.layout
-        picks = []
-        for (o, n), dense in zip(lay.segments(), lay.dense):
-            if not dense:
-                picks.append(topk_indices(flat[o : o + n], k_elems(self.ratio, n)).astype(lay.index_dtype) + o)
-        local = xp.concatenate(picks) if picks else xp.zeros(0, lay.index_dtype)
-        everyone = xp.empty(local.size * transport.size, lay.index_dtype)
-        transport.allgather(local, everyone)
-        return self._with_dense(xp, xp.unique(everyone))
-
-
-_MASKS = {m.kind: m for m in (CyclicMask, BernoulliMask, TopKUnionMask)}
-
-
-def make_mask(kind, layout, ratio, seed, block=1):
-    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk'); ``block`` is the cyclic mask's run length."""
-    if kind not in _MASKS:
-        raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
-    if kind == "cyclic":
-        return CyclicMask(layout, ratio, seed, block)
-    if check_block(block) != 1:
-        raise ConfigError(f"block={block} applies to the cyclic mask only, not {kind!r}")
-    return _MASKS[kind](layout, ratio, seed)
 
 
 class TopK:
@@ -489,9 +288,11 @@ class TopKWire:
 
     Per tensor i, ``K_i = k_elems(ratio, n_i)`` entries. One rank's payload is one byte
     buffer: an 8-byte header (int32 status, int32 padding), the K = sum K_i local
-    indices as int32 (index within its tensor), padding to 8 bytes, then the K values
-    in ``value_dtype``. Every rank's payload has the same size, so the allgather needs
-    no size exchange.
+    indices as int32 (index within its tensor), padding to 8 bytes, the K values in
+    ``value_dtype``, and padding to 8 bytes. Every rank's payload has the same size, a
+    multiple of 8, so the allgather needs no size exchange and rank r's payload at byte
+    ``r * nbytes`` of the gathered buffer is aligned for its int32 and float views (a
+    GPU faults on a misaligned typed read).
     """
 
     HEADER = 8
@@ -501,10 +302,13 @@ class TopKWire:
         self.ratio = check_ratio(ratio)
         self.value_dtype = value_dtype(value_dtype_name)
         self.counts = [k_elems(self.ratio, n) for n in layout.sizes]
-        self.k_total = sum(self.counts)
+        self.starts = [0]
+        for k in self.counts:
+            self.starts.append(self.starts[-1] + k)
+        self.k_total = self.starts.pop()
         self.idx_at = self.HEADER
         self.val_at = self.HEADER + ((4 * self.k_total + 7) // 8) * 8
-        self.nbytes = self.val_at + self.value_dtype.itemsize * self.k_total
+        self.nbytes = ((self.val_at + self.value_dtype.itemsize * self.k_total + 7) // 8) * 8
 
     def empty(self, xp, ranks=1):
         return xp.zeros(self.nbytes * ranks, dtype=np.uint8)
@@ -513,33 +317,40 @@ class TopKWire:
         """``(status, indices, values)`` views of one rank's payload ``buf``."""
         status = buf[:4].view(np.int32)
         idx = buf[self.idx_at : self.idx_at + 4 * self.k_total].view(np.int32)
-        val = buf[self.val_at : self.nbytes].view(self.value_dtype)
+        val = buf[self.val_at : self.val_at + self.value_dtype.itemsize * self.k_total].view(self.value_dtype)
         return status, idx, val
 
-    def encode(self, flat, out):
-        """Select each tensor's top-k of ``flat``, write it into ``out``; return global positions."""
+    def encode_one(self, i, x, idx, val):
+        """Write tensor ``i``'s top-k of the 1-D array ``x`` into the payload's ``idx``/``val``
+        views (from :meth:`parts`); return the local positions (int64, increasing)."""
+        a, k = self.starts[i], self.counts[i]
+        loc = topk_indices(x, k)
+        if k:
+            idx[a : a + k] = loc
+            val[a : a + k] = x[loc]
+        return loc
+
+    def encode(self, x, out):
+        """Encode every tensor of ``x`` (a fused buffer, or a list of arrays shaped like the
+        layout) into the payload ``out``; return the fused positions sent (int64)."""
         _, idx, val = self.parts(out)
-        xp = _arr.namespace(flat)
-        positions = []
-        at = 0
-        for (o, n), k in zip(self.layout.segments(), self.counts):
-            if k == 0:
-                continue
-            loc = topk_indices(flat[o : o + n], k)
-            idx[at : at + k] = loc
-            positions.append(loc + o)
-            at += k
-        pos = xp.concatenate(positions) if positions else xp.zeros(0, np.int64)
-        val[...] = flat[pos]
-        return pos
+        xp = _arr.namespace(out)
+        pos = [self.encode_one(i, xi, idx, val) + o
+               for i, (xi, o) in enumerate(zip(_per_tensor(self.layout, x), self.layout.offsets))]
+        return xp.concatenate(pos) if pos else xp.zeros(0, np.int64)
 
     def decode_add(self, buf, out):
-        """Add one rank's payload into the fused buffer ``out`` (indices are unique per rank)."""
+        """Add one rank's payload into ``out`` (a fused buffer, or a list of per-tensor arrays);
+        the indices are unique within a rank's tensor, so a plain indexed add is exact."""
         _, idx, val = self.parts(buf)
-        at = 0
-        for (o, n), k in zip(self.layout.segments(), self.counts):
-            if k == 0:
-                continue
-            seg = out[o : o + n]
-            seg[idx[at : at + k]] += val[at : at + k].astype(out.dtype, copy=False)
-            at += k
+        for i, seg in enumerate(_per_tensor(self.layout, out)):
+            a, k = self.starts[i], self.counts[i]
+            if k:
+                seg[idx[a : a + k]] += val[a : a + k].astype(seg.dtype, copy=False)
+
+
+def _per_tensor(layout, x):
+    """1-D per-tensor arrays of ``x``: views of a fused buffer, or flattened list items."""
+    if isinstance(x, (list, tuple)):
+        return [a.reshape(-1) for a in x]
+    return layout.flat_views(x)

@@ -11,8 +11,8 @@ the layout and options, and share a random seed broadcast from rank 0. Then:
 * :meth:`Communicator.sync` -- the dense mean of the whole buffer, in place (periodic
   parameter sync, and the dense baseline).
 
-Each takes either one fused 1-D buffer of ``layout.total`` elements (no copy) or a
-list of arrays shaped like the layout (copied into an internal fused buffer and back).
+Each takes either one fused 1-D buffer of ``layout.total`` elements or a list of arrays
+shaped like the layout, and works on them in place (no copy of the whole model is made).
 
 Failure behaviour: every payload carries a status word. A rank whose input is bad
 (wrong shape, dtype, contiguity, library) still takes part in the collective with a
@@ -30,7 +30,8 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from .codecs import DATA_DTYPES, Layout, TopKWire, check_block, check_ratio, make_mask
+from .codecs import DATA_DTYPES, Layout, TopKWire, check_ratio, k_elems
+from .masks import check_block, make_mask
 from .errors import (
     ConfigError,
     DTypeError,
@@ -72,7 +73,9 @@ class Communicator:
         block: run length of the cyclic mask. 1 (default) permutes single elements, as
             ALGORITHM.md section 1 says; a larger value (e.g. 256) permutes runs of that
             many contiguous elements, so the masked allreduce's gather and scatter copy
-            whole runs instead of scattered elements (see :class:`~slamb_comm.codecs.CyclicMask`).
+            whole runs instead of scattered elements (see :class:`~slamb_comm.masks.CyclicMask`).
+        bucket_bytes: the most scratch :meth:`sync` uses (default 32 MiB): arrays larger
+            than that are averaged in several allreduces.
 
     Raises (on every rank, never on one only):
         ConfigError: ratio, mask or threshold out of range or unknown.
@@ -93,11 +96,14 @@ class Communicator:
         seed=None,
         dense_threshold=9000,
         block=1,
+        bucket_bytes=32 << 20,
     ):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
         self.residual = None  # error-feedback buffer of sparse_allgather, allocated on first use
-        self._fused = None
+        self._residual_on_host = False  # restored by load_state_dict, not yet moved to a device
+        self._uncommitted = None  # a sparse_allgather(commit=False) waiting for commit_residual()
+        self.bucket_bytes = int(bucket_bytes)
         problem = None
         digest = bytes(16)
         try:
@@ -168,17 +174,21 @@ class Communicator:
 
     # ------------------------------------------------------------------ inputs
     def _take(self, x):
-        """Validate ``x`` locally; return ``(xp, flat, views_to_write_back)``.
+        """Validate ``x`` locally; return ``(xp, views)``, where ``views[i]`` is tensor i as a 1-D
+        array on the caller's memory (no copy).
 
-        Raises LayoutError/NonContiguousError/DTypeError/TypeError on bad input; the
-        caller turns that into a collective failure.
+        ``x`` is a fused 1-D buffer, a list or tuple of arrays shaped like the layout, or any
+        other sequence, which is read lazily, item by item, and trusted to hold arrays of the
+        layout's shapes and dtype (the torch adapters pass their 16-bit parameters that way,
+        converted one tensor at a time). Raises LayoutError/NonContiguousError/DTypeError/
+        TypeError on bad input; the caller turns that into a collective failure.
         """
         lay = self.layout
         if isinstance(x, (list, tuple)):
             arrs = [_arr.as_array(a) for a in x]
-            xp = _arr.namespace(*arrs) if arrs else np
             if len(arrs) != len(lay):
                 raise LayoutError(f"got {len(arrs)} arrays, the communicator was built for {len(lay)}")
+            xp = _arr.namespace(*arrs) if arrs else np
             for a, name, shape in zip(arrs, lay.names, lay.shapes):
                 if tuple(a.shape) != shape:
                     raise LayoutError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
@@ -188,36 +198,39 @@ class Communicator:
                     raise LayoutError(f"tensor {name!r} has dtype {a.dtype.name}, expected {lay.dtype.name}")
                 if not a.flags.c_contiguous:
                     raise NonContiguousError(f"tensor {name!r} is not C-contiguous")
-            flat = self._fused_buffer(xp)
-            for v, a in zip(lay.views(flat), arrs):
-                v[...] = a
-            return xp, flat, arrs
-        flat = _arr.as_array(x)
-        xp = _arr.namespace(flat)
-        if flat.ndim != 1 or flat.size != lay.total:
-            raise LayoutError(f"expected a fused 1-D buffer of {lay.total} elements, got shape {tuple(flat.shape)}")
-        if flat.dtype.name not in DATA_DTYPES:
-            raise DTypeError(f"fused buffer has unsupported dtype {flat.dtype.name}; expected {lay.dtype.name}")
-        if flat.dtype != lay.dtype:
-            raise LayoutError(f"fused buffer has dtype {flat.dtype.name}, expected {lay.dtype.name}")
-        if not flat.flags.c_contiguous:
-            raise NonContiguousError("fused buffer is not C-contiguous")
-        if self.residual is not None and _arr.namespace(self.residual) is not xp:
-            raise TypeError(f"the communicator's state lives in {_arr.namespace(self.residual).__name__}, got {xp.__name__}")
-        return xp, flat, None
+            views = [a.reshape(-1) for a in arrs]
+        elif hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+            flat = _arr.as_array(x)
+            xp = _arr.namespace(flat)
+            if flat.ndim != 1 or flat.size != lay.total:
+                raise LayoutError(f"expected a fused 1-D buffer of {lay.total} elements, got shape {tuple(flat.shape)}")
+            if flat.dtype.name not in DATA_DTYPES:
+                raise DTypeError(f"fused buffer has unsupported dtype {flat.dtype.name}; expected {lay.dtype.name}")
+            if flat.dtype != lay.dtype:
+                raise LayoutError(f"fused buffer has dtype {flat.dtype.name}, expected {lay.dtype.name}")
+            if not flat.flags.c_contiguous:
+                raise NonContiguousError("fused buffer is not C-contiguous")
+            views = lay.flat_views(flat)
+        else:
+            if len(x) != len(lay):
+                raise LayoutError(f"got {len(x)} arrays, the communicator was built for {len(lay)}")
+            views = _Lazy(x)
+            xp = _arr.namespace(views[0]) if len(lay) else np
+        if self.residual is not None and _arr.namespace(self.residual) is not xp and not self._residual_on_host:
+            raise TypeError(f"the communicator's state lives in {_arr.namespace(self.residual).__name__}, "
+                            f"got {xp.__name__}")
+        return xp, views
 
-    def _fused_buffer(self, xp):
-        if self._fused is None or _arr.namespace(self._fused) is not xp:
-            self._fused = xp.empty(self.layout.total, dtype=self.layout.dtype)
-        return self._fused
-
-    def _take_or_dummy(self, x):
+    def _take_or_problem(self, x):
+        """``(xp, views, None)``, or ``(xp, None, error)`` for input this rank must reject (it
+        still takes part in the collective, with zeros and a status flag)."""
         try:
             return (*self._take(x), None)
         except (SlambCommError, TypeError) as e:
-            xp = np if self.residual is None else _arr.namespace(self.residual)
-            return xp, xp.zeros(self.layout.total, self.layout.dtype), None, e
+            xp = np if self.residual is None or self._residual_on_host else _arr.namespace(self.residual)
+            return xp, None, e
 
+    # ------------------------------------------------------------------ failures
     def _fail(self, codes, problem, what, tensors=()):
         """Raise the right error on this rank, given every rank's status code."""
         if problem is not None:
@@ -233,25 +246,6 @@ class Communicator:
             msg = f"{what}: the sum over ranks overflowed to Inf{where}; nothing was changed"
         raise NonFiniteError(msg, nonfinite, tensors)
 
-    def _check_sum(self, buf, problem, sent, idx, what):
-        """After an allreduce whose last slot is 0 (ok) or NaN (a rank's problem): raise on every
-        rank if anything is non-finite. One host read on the success path; ``sent()`` gives
-        what this rank sent (or None if it flagged itself non-finite)."""
-        xp = _arr.namespace(buf)
-        finite = xp.isfinite(buf)
-        if bool(finite.all()):
-            return
-        if problem is not None:
-            code = _BAD_INPUT
-        else:
-            mine = sent()  # None: this rank already knows it is non-finite
-            code = _OK if mine is not None and bool(xp.isfinite(mine).all()) else _NON_FINITE
-        codes = self._codes(code)
-        bad_pos = xp.nonzero(~finite[:-1])[0]
-        if idx is not None:
-            bad_pos = idx[bad_pos]
-        self._fail(codes, problem, what, self._tensors_at(bad_pos) if bad_pos.size else ())
-
     def _codes(self, code):
         """Every rank's status code (used only on the failure path)."""
         mine = np.array([code], dtype=np.int32)
@@ -259,15 +253,69 @@ class Communicator:
         self.transport.allgather(mine, everyone)
         return everyone.tolist()
 
-    def _tensors_at(self, positions):
-        pos = np.unique(_arr.to_host(positions))
-        starts = np.asarray(self.layout.offsets)
-        hit = np.unique(np.searchsorted(starts, pos, side="right") - 1)
-        return [self.layout.names[i] for i in hit]
+    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None):
+        """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
+        rank that rejected its input (``problem``, an exception) or found non-finite values of
+        its own (``local_bad``: a bool, or a 0-d device array, so that nothing is read back
+        before sending). Then one host read decides: if any rank flagged, or (``whole``) any
+        summed value is not finite, every rank raises and the caller must change nothing.
+
+        ``spans``, ``(starts, counts)`` of each tensor's slice of the payload, names the tensors
+        whose sums are not finite; ``sent()``, called on the failure path only, recomputes what
+        this rank sent, to tell whether it was this rank's values that were not finite; and
+        ``mine()``, also on the failure path only, flags per tensor where this rank's values
+        were not finite (the ranks then agree on the union). Every exchange that sums goes
+        through here.
+        """
+        xp = _arr.namespace(buf)
+        if problem is not None:
+            buf[-1] = np.nan
+        elif isinstance(local_bad, (bool, np.bool_)):
+            buf[-1] = np.nan if local_bad else 0
+        else:
+            buf[-1:] = xp.where(local_bad, np.nan, 0.0).astype(buf.dtype)
+        self.transport.allreduce(buf)
+        if whole:
+            ok = bool(xp.isfinite(xp.sum(buf, dtype=np.float64)))  # NaN and Inf survive a sum
+        else:
+            ok = bool(xp.isfinite(buf[-1]))
+        if ok:
+            return
+        # The failure path (host reads are fine here): who flagged, and where the sums are bad.
+        if problem is not None:
+            code = _BAD_INPUT
+        elif bool(local_bad) or (sent is not None and not bool(xp.isfinite(sent()).all())):
+            code = _NON_FINITE
+        else:
+            code = _OK
+        codes = self._codes(code)
+        tensors = ()
+        if mine is not None:
+            flags = np.zeros(len(self.layout), np.int32) if problem is not None else np.asarray(mine(), np.int32)
+            self.transport.allreduce(flags)
+            tensors = tuple(n for n, f in zip(self.layout.names, flags) if f)
+        elif spans is not None:
+            bad = _arr.to_host(~xp.isfinite(buf[:-1]))
+            tensors = tuple(self.layout.names[i] for i, (s, c) in enumerate(zip(*spans))
+                            if c and bad[s : s + c].any())
+        self._fail(codes, problem, what, tensors)
 
     # ------------------------------------------------------------------ operations
+    def select(self, step, xp=np, views=None):
+        """M_t of ``step`` as a :class:`~slamb_comm.masks.Selection` (for the topk mask a
+        collective over ``views``, this rank's data: every rank must call it)."""
+        if self.mask_kind == "topk":
+            if views is None:  # a rank that rejected its input still takes part, with dummy picks
+                local = {i: xp.arange(k_elems(self.ratio, self.layout.sizes[i]), dtype=np.int64)
+                         for i in self.layout.compressible}
+                return self.mask.union(xp, local, self.transport)
+            return self.mask.select(step, xp, views, self.transport)
+        return self.mask.select(step, xp)
+
     def masked_allreduce(self, x, step, local_nonfinite=False):
         """In place: ``x[M_t] = mean over ranks of x[M_t]`` for the shared mask of ``step``.
+
+        One allreduce of the |M_t| masked values (plus a status slot) and one host read.
 
         Args:
             x: the fused buffer (or list of arrays) holding this rank's values.
@@ -283,30 +331,31 @@ class Communicator:
         return x, sel.index
 
     def _masked_allreduce(self, x, step, local_nonfinite):
-        """:meth:`masked_allreduce`, returning the :class:`~slamb_comm.codecs.Selection` of M_t."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ConfigError(f"step must be an integer >= 1, got {step!r}")
         t0 = time.perf_counter()
-        xp, flat, arrs, problem = self._take_or_dummy(x)
-        sel = self.mask.select(step, xp=xp, flat=flat, transport=self.transport)
-        m = sel.size
-        buf = xp.empty(m + 1, dtype=self.value_dtype)
-        sel.take(flat, out=buf[:m])
-        buf[m] = np.nan if problem is not None or local_nonfinite else 0
-        t1 = time.perf_counter()
-        self.transport.allreduce(buf)
-        t2 = time.perf_counter()
-        self._check_sum(
-            buf, problem, lambda: None if local_nonfinite else sel.take(flat, out=xp.empty(m, self.value_dtype)),
-            sel.index,
-            f"masked_allreduce at step {step}",
-        )
-        # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
-        vals = buf[:m].astype(np.promote_types(buf.dtype, flat.dtype), copy=False)
-        if self.size > 1:
-            vals *= vals.dtype.type(1.0 / self.size)
-        sel.put(flat, vals)
-        self._write_back(flat, arrs)
+        xp, views, problem = self._take_or_problem(x)
+        with _arr.device_scope(views[0] if views else np.zeros(0)):
+            sel = self.select(step, xp, views)
+            m = sel.size
+            buf = xp.empty(m + 1, dtype=self.value_dtype)
+            if views is None:
+                buf[:m] = 0
+            else:
+                sel.take(views, out=buf[:m])
+            t1 = time.perf_counter()
+            self.reduce_checked(buf, problem, local_nonfinite, f"masked_allreduce at step {step}",
+                                (sel.starts, sel.counts),
+                                sent=lambda: sel.take(views, out=xp.empty(m, self.value_dtype)))
+            t2 = time.perf_counter()
+            # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
+            wide = np.promote_types(self.value_dtype, self.layout.dtype)
+            for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
+                if c:
+                    vals = buf[s : s + c].astype(wide, copy=False)
+                    if self.size > 1:
+                        vals *= vals.dtype.type(1.0 / self.size)
+                    p.put(views[i], None, vals)
         t3 = time.perf_counter()
         payload = (m + 1) * self.value_dtype.itemsize
         dense = self.layout.total * self.layout.dtype.itemsize
@@ -317,94 +366,181 @@ class Communicator:
         )
         return x, sel
 
-    def sparse_allgather(self, x):
+    def sparse_allgather(self, x, commit=True):
         """Top-k exchange with error feedback (ALGORITHM.md section 2).
 
         ``c = x + e``; send each tensor's ``k_elems`` largest ``|c|``; ``e = c - sent``;
         return the mean over ranks of every rank's decoded payload, identical on every
-        rank. ``x`` itself is not modified.
+        rank. ``x`` itself is not modified. Scratch is one tensor at a time; on a GPU the
+        exchange reads the host once (every rank's status word).
+
+        ``commit=False`` leaves the error buffer as it was until :meth:`commit_residual`
+        (with ``x`` unchanged until then), so that a caller exchanging several buckets can
+        keep them all or none without copying any error buffer.
 
         Returns:
             a fused buffer (if ``x`` was one) or a list of arrays shaped like the layout.
         """
+        self._uncommitted = None
         t0 = time.perf_counter()
-        xp, flat, arrs, problem = self._take_or_dummy(x)
-        w = self.wire
-        e = self.residual if self.residual is not None else xp.zeros(self.layout.total, self.layout.dtype)
-        c = flat + e
-        send = w.empty(xp)
-        status, _, val = w.parts(send)
-        code = _BAD_INPUT if problem is not None else (_OK if bool(xp.isfinite(c).all()) else _NON_FINITE)
-        pos = None
-        if code == _OK:
-            pos = w.encode(c, send)
-            if not bool(xp.isfinite(val).all()):  # e.g. beyond +-65504 in a float16 payload
-                code = _NON_FINITE
-        status[0] = code
-        t1 = time.perf_counter()
-        recv = w.empty(xp, self.size)
-        self.transport.allgather(send, recv)
-        t2 = time.perf_counter()
-        recv = recv.reshape(self.size, w.nbytes)
-        codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()
-        if any(codes):
-            self._fail(codes, problem, "sparse_allgather")
-        # Sum float16 buffers in float32: the sum over ranks may exceed 65504, the mean does not.
-        acc = np.promote_types(self.layout.dtype, np.float32)
-        out = xp.zeros(self.layout.total, dtype=acc)
-        for r in range(self.size):
-            w.decode_add(recv[r], out)
-        if self.size > 1:
-            out *= out.dtype.type(1.0 / self.size)
-        if acc != self.layout.dtype:
-            out = out.astype(self.layout.dtype)
-        c[pos] -= val.astype(c.dtype, copy=False)  # what was not sent (and rounding) stays
-        self.residual = c
+        xp, views, problem = self._take_or_problem(x)
+        lay, w = self.layout, self.wire
+        with _arr.device_scope(views[0] if views else np.zeros(0)):
+            send = w.empty(xp)
+            status, idx, val = w.parts(send)
+            bad = False
+            if views is not None:
+                res = self._residual(xp)  # None until the first exchange that succeeds: zeros
+                e_views = lay.flat_views(res) if res is not None else [None] * len(lay)
+                for i, e in enumerate(e_views):
+                    if not w.counts[i]:
+                        continue
+                    v = views[i]
+                    c = v if e is None else v + e
+                    if xp is np:
+                        if not np.isfinite(c).all():  # the fast top-k needs finite input
+                            bad = True
+                            continue
+                    else:
+                        bad = bad | ~xp.isfinite(c).all()
+                    w.encode_one(i, c, idx, val)
+                # e.g. beyond +-65504 in a float16 payload
+                bad = (bad or not bool(np.isfinite(val).all())) if xp is np else (bad | ~xp.isfinite(val).all())
+            if problem is not None:
+                status[...] = _BAD_INPUT
+            elif xp is np:
+                status[...] = _NON_FINITE if bad else _OK
+            else:
+                status[...] = xp.where(bad, _NON_FINITE, _OK).astype(np.int32)
+            t1 = time.perf_counter()
+            recv = w.empty(xp, self.size)
+            self.transport.allgather(send, recv)
+            t2 = time.perf_counter()
+            recv = recv.reshape(self.size, w.nbytes)
+            codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()  # the one host read
+            if any(codes):
+                self._fail(codes, problem, "sparse_allgather")
+            # Sum float16 payloads in float32: the sum over ranks may exceed 65504, the mean does not.
+            acc = np.promote_types(lay.dtype, np.float32)
+            out = xp.zeros(lay.total, dtype=acc)
+            out_views = lay.flat_views(out)
+            for r in range(self.size):
+                w.decode_add(recv[r], out_views)
+            if self.size > 1:
+                out *= out.dtype.type(1.0 / self.size)
+            if acc != lay.dtype:
+                out = out.astype(lay.dtype)
+            self._uncommitted = (xp, views, send)
+            if commit:
+                self.commit_residual()
         t3 = time.perf_counter()
         payload = w.nbytes
-        dense = self.layout.total * self.layout.dtype.itemsize
+        dense = lay.total * lay.dtype.itemsize
         self.stats.record(
             "sparse_allgather",
             Traffic(1, payload, allgather_wire(payload, self.size), dense, allreduce_wire(dense, self.size),
-                    w.k_total, self.layout.total, t1 - t0, t2 - t1, t3 - t2),
+                    w.k_total, lay.total, t1 - t0, t2 - t1, t3 - t2),
         )
-        if arrs is not None:
-            return self.layout.views(out)
+        if isinstance(x, (list, tuple)):
+            return lay.views(out)
         return out
 
-    def sync(self, x):
-        """In place: ``x = mean over ranks of x`` in one fused allreduce, in ``x``'s own dtype.
+    def commit_residual(self):
+        """Apply the last :meth:`sparse_allgather`'s error feedback, ``e = x + e - sent`` (``x + e``
+        recomputed: the same bits as what was sent from)."""
+        if self._uncommitted is None:
+            raise RuntimeError("no sparse_allgather to commit")
+        xp, views, send = self._uncommitted
+        self._uncommitted = None
+        lay, w = self.layout, self.wire
+        _, idx, val = w.parts(send)
+        if self.residual is None:
+            with _arr.device_scope(views[0] if len(lay) else np.zeros(0)):
+                self.residual = xp.zeros(lay.total, lay.dtype)
+        for i, e in enumerate(lay.flat_views(self.residual)):
+            a, k = w.starts[i], w.counts[i]
+            e += views[i]
+            if k:
+                e[idx[a : a + k]] -= val[a : a + k].astype(e.dtype, copy=False)  # what was not sent stays
 
-        Used for SLAMB's periodic parameter sync and as the dense baseline.
+    def _residual(self, xp):
+        """The error buffer on ``xp`` (moved there after a load), or None before the first exchange."""
+        if self.residual is not None and self._residual_on_host:
+            self.residual = self.residual if xp is np else xp.asarray(self.residual)
+        self._residual_on_host = False
+        return self.residual
+
+    def sync(self, x, written=None):
+        """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
+
+        Used for SLAMB's periodic parameter sync and as the dense baseline. The arrays go
+        through a fused buffer of at most ``bucket_bytes`` in as many allreduces as that
+        takes; each rank sends ``x / P`` (so no sum can overflow; exact for P a power of
+        two). The first bucket carries the status word and is checked with one host read
+        before anything is written: a rank with bad input or non-finite ``x`` makes every
+        rank raise, with nothing changed. ``written(i)``, if given, is called once tensor i
+        has been written (for lazily converted inputs; see :meth:`_take`).
         """
         t0 = time.perf_counter()
-        xp, flat, arrs, problem = self._take_or_dummy(x)
-        n = self.layout.total
-        buf = xp.empty(n + 1, dtype=flat.dtype)
-        buf[:n] = flat
-        buf[n] = 0 if problem is None else np.nan
-        t1 = time.perf_counter()
-        self.transport.allreduce(buf)
-        t2 = time.perf_counter()
-        self._check_sum(buf, problem, lambda: flat, None, "sync")
-        if self.size > 1:
-            buf *= flat.dtype.type(1.0 / self.size)
-        flat[...] = buf[:n]
-        self._write_back(flat, arrs)
+        xp, views, problem = self._take_or_problem(x)
+        lay, P = self.layout, self.size
+        n, dt = lay.total, lay.dtype
+        comm_s = 0.0
+        with _arr.device_scope(views[0] if views else np.zeros(0)):
+            bad = False
+            if views is not None:  # this rank's parameters must be finite before they are averaged
+                for i in range(len(lay)):
+                    v = views[i]
+                    if v.size:
+                        fin = xp.isfinite(v.max()) & xp.isfinite(v.min())
+                        bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
+            cap = max(1, min(n, self.bucket_bytes // dt.itemsize))
+            buf = xp.empty(cap + 1, dtype=dt)
+            scale = dt.type(1.0 / P)
+            pieces, used, first = [], 0, True
+
+            def flush(pieces, used, first):
+                nonlocal comm_s
+                b = buf[: used + 1] if first else buf[:used]
+                if P > 1:
+                    b *= scale
+                c0 = time.perf_counter()
+                if first:
+                    self.reduce_checked(b, problem, bad, "sync", whole=False, mine=lambda: [
+                        not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
+                else:
+                    self.transport.allreduce(b)
+                comm_s += time.perf_counter() - c0
+                for i, lo, hi, at in pieces:
+                    views[i][lo:hi] = buf[at : at + hi - lo]
+                    if written is not None and hi == lay.sizes[i]:
+                        written(i)
+
+            if views is None:  # bad input: the first bucket, zeros and the flag; then everyone raises
+                buf[:cap] = 0
+                flush([], cap, True)
+            for i in range(len(lay)):
+                size, lo = lay.sizes[i], 0
+                while lo < size:
+                    take = min(size - lo, cap - used)
+                    buf[used : used + take] = views[i][lo : lo + take]
+                    pieces.append((i, lo, lo + take, used))
+                    used += take
+                    lo += take
+                    if used == cap:
+                        flush(pieces, used, first)
+                        pieces, used, first = [], 0, False
+            if pieces or first:
+                flush(pieces, used, first)
         t3 = time.perf_counter()
-        payload = (n + 1) * flat.dtype.itemsize
-        dense = n * self.layout.dtype.itemsize
+        payload = (n + 1) * dt.itemsize
+        dense = n * dt.itemsize
         self.stats.record(
             "sync",
-            Traffic(1, payload, allreduce_wire(payload, self.size), dense, allreduce_wire(dense, self.size),
-                    n, n, t1 - t0, t2 - t1, t3 - t2),
+            Traffic(1, payload, allreduce_wire(payload, P), dense, allreduce_wire(dense, P),
+                    n, n, 0.0, comm_s, t3 - t0 - comm_s),
         )
         return x
-
-    def _write_back(self, flat, arrs):
-        if arrs is not None:
-            for a, v in zip(arrs, self.layout.views(flat)):
-                a[...] = v
 
     # ------------------------------------------------------------------ state
     def state_dict(self):
@@ -416,8 +552,9 @@ class Communicator:
             "digest": self._digest().hex(),
         }
 
-    def load_state_dict(self, state, xp=np):
-        """Restore :meth:`state_dict` output exactly (``xp``: where the error buffer lives)."""
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output exactly. The error buffer is kept on the host until
+        the next exchange, which moves it to the device of that exchange's arrays."""
         mine = self._digest().hex()
         if state.get("digest") != mine:
             raise LayoutMismatchError("the saved state was made for a different layout or options")
@@ -425,4 +562,20 @@ class Communicator:
             self.seed = int(state["seed"])
             self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
         r = state["residual"]
-        self.residual = None if r is None else xp.asarray(r).copy()
+        if r is not None and np.shape(r) != (self.layout.total,):
+            raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({self.layout.total},)")
+        self.residual = None if r is None else np.array(_arr.to_host(r), dtype=self.layout.dtype, copy=True)
+        self._residual_on_host = r is not None
+
+
+class _Lazy:
+    """Per-tensor 1-D arrays of a lazily read sequence (see :meth:`Communicator._take`)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __len__(self):
+        return len(self.seq)
+
+    def __getitem__(self, i):
+        return _arr.as_array(self.seq[i]).reshape(-1)

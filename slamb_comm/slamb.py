@@ -1,8 +1,7 @@
 """The SLAMB update rule on fused flat buffers (ALGORITHM.md section 1).
 
 :class:`Slamb` owns the optimizer state of one fused buffer of parameters -- momentum
-``m``, second moment ``v`` and freshness ``f``, each one flat array with per-tensor views
--- and does one step in a handful of vector operations:
+``m`` and second moment ``v``, each one flat array -- and does one step:
 
 1. local moments ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2`` (v is never sent);
 2. ``m[M_t] = mean over ranks`` -- one masked allreduce through the communicator;
@@ -10,7 +9,24 @@
 4. Adam direction ``u = mhat / (sqrt(vhat) + eps) + wd x``;
 5. per tensor, trust ratios ``phi_S`` over the fresh elements and ``phi_A`` over the stale ones;
 6. ``x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u``;
-7. after steps 1, H+1, 2H+1, ...: ``x = mean over ranks of x`` (one fused allreduce).
+7. after steps 1, H+1, 2H+1, ...: ``x = mean over ranks of x`` (bucketed allreduces).
+
+What it costs (N parameters, fp32):
+
+* **Memory**: m and v (8 bytes per parameter, as AdamW). The freshness is *derived* for the
+  default cyclic mask -- every element's steps since its last synchronisation follow from
+  the mask's schedule -- so it takes no memory; the bernoulli and topk masks store it (4
+  more bytes). Scratch is the direction u of one tensor at a time plus, per step, the
+  |M_t| exchanged values; nothing else grows with N.
+* **Failure without a second copy of the state**: before the exchange only the M_t entries
+  of the new momentum are computed (into the payload) and the gradients checked; m and v
+  are updated in place only after every rank's status came back good. A step that fails
+  (a NaN on any rank, a bad input) leaves m, v, x and the step count as they were.
+* **Host synchronisations on a GPU**: one per step (the exchange's status), one more on
+  periodic-sync steps, one more for the topk mask's union; none per tensor. Trust ratios
+  stay on the device.
+* **Time on the CPU**: cache-sized blocks; the moments, the direction and the norms in one
+  pass over each tensor, the update in a second.
 
 Tuning guide (from the paper and ALGORITHM.md section 5):
 
@@ -22,19 +38,15 @@ Tuning guide (from the paper and ALGORITHM.md section 5):
   short budgets 0.9 did best in our simulation. Sweep it together with ``lr``.
 * ``sync_interval`` (H): full parameter averaging every H steps bounds replica drift.
   100 in the paper. ``H = 1`` averages after every step.
-* ``mask`` (on the communicator): 'cyclic' bounds staleness by ``ceil(1/k)`` steps; use it.
+* ``mask`` (on the communicator): 'cyclic' bounds staleness by ``ceil(1/k)`` steps and
+  needs no freshness memory; use it.
 
-State is double-buffered: a step computes the new moments beside the committed ones and
-commits them only when the exchange succeeded, so a step that fails (a NaN on any rank,
-a bad input) leaves ``m``, ``v``, ``f``, ``x`` and the step count exactly as they were, on
-every rank. This costs one extra copy of ``m`` and ``v`` in memory.
-
-Non-finite gradients: with ``on_nonfinite='skip'`` (default, like AMP's grad scaler) a
-step whose new moments hold a NaN or Inf on any rank is skipped by every rank, logged
-(logger ``slamb_comm``) with the ranks and tensor names, and counted in
+Non-finite gradients: a gradient with a NaN or Inf, or one whose square would overflow the
+second moment (``|g| >= sqrt(max)`` of the dtype), makes the step fail on every rank. With
+``on_nonfinite='skip'`` (default, like AMP's grad scaler) every rank skips it, logs it
+(logger ``slamb_comm``) with the ranks and tensor names, and counts it in
 :attr:`Slamb.skipped_steps`; with ``'raise'`` every rank raises
-:class:`~slamb_comm.errors.NonFiniteError` instead. Either way nothing non-finite reaches
-any rank's state.
+:class:`~slamb_comm.errors.NonFiniteError`. Either way nothing changes.
 """
 
 import logging
@@ -44,6 +56,8 @@ import numpy as np
 
 from . import arrays as _arr
 from .errors import ConfigError, LayoutError, NonFiniteError
+from .masks import BLOCK
+from .stats import Traffic, allreduce_wire
 
 __all__ = ["Slamb"]
 
@@ -69,9 +83,10 @@ class Slamb:
     (a ConfigError on every rank names the ranks that differ).
 
     One whole step is :meth:`step`. For overlapping communication with the backward
-    pass it is also offered in pieces: :meth:`begin_step`, :meth:`accumulate` per tensor,
-    :meth:`exchange` (or the caller's own exchange of :meth:`mask_positions` of
-    :meth:`momentum_views`), then :meth:`apply`.
+    pass it is also offered in pieces: :meth:`begin_step`; :meth:`accumulate` per tensor as
+    its gradient arrives (it writes that tensor's share of the payload, possibly into the
+    caller's own buffer); :meth:`exchange` (or the caller's own averaging of those buffers);
+    then :meth:`apply` with the gradients again and the averaged values.
     """
 
     def __init__(
@@ -119,13 +134,14 @@ class Slamb:
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite values (on every rank alike)
         self._agree_options()
+        self.derived = comm.mask.kind == "cyclic"  # freshness follows from the mask's schedule
         self.t = 0  # steps committed
         self._t_open = None  # the step in progress, between begin_step and apply
         self._xp = None
-        self.m = self.v = self.f = None
-        self._m_next = self._v_next = None
-        self._sel = None  # M_t of the step in progress (a Selection of the fused buffer)
-        self._pos = None  # per-tensor positions of M_t
+        self.m = self.v = None
+        self._f = None  # stored freshness (bernoulli and topk masks only)
+        self._host = None  # state restored by load_state_dict, moved to the device on first use
+        self._scratch = {}
 
     def _agree_options(self):
         """Collective: every rank must have the same options (else ConfigError everywhere)."""
@@ -163,256 +179,470 @@ class Slamb:
         """``numpy`` or ``cupy``: where the state lives (``None`` before the first step)."""
         return self._xp
 
-    def _ensure_state(self, xp):
+    def _ensure_state(self, xp, like):
         if self._xp is None:
             n, dt = self.layout.total, self.layout.dtype
+            with _arr.device_scope(like):
+                host = self._host or {}
+                self.m = xp.asarray(host["m"]) if "m" in host else xp.zeros(n, dt)
+                self.v = xp.asarray(host["v"]) if "v" in host else xp.zeros(n, dt)
+                if not self.derived:
+                    self._f = xp.asarray(host["f"]) if "f" in host else xp.ones(n, dt)
+            self._host = None
             self._xp = xp
-            self.m, self.v = xp.zeros(n, dt), xp.zeros(n, dt)
-            self.f = xp.ones(n, dt)
-            self._m_next, self._v_next = xp.empty(n, dt), xp.empty(n, dt)
-            self._u, self._tmp, self._tmp2 = xp.empty(n, dt), xp.empty(n, dt), xp.empty(n, dt)
         elif self._xp is not xp:
             raise TypeError(f"SLAMB state lives in {self._xp.__name__}, got {xp.__name__} arrays")
 
+    def place(self, like):
+        """Allocate the state now (zeros, or what :meth:`load_state_dict` restored) in the library
+        and on the device of the array ``like``, instead of at the first step."""
+        like = _arr.as_array(like)
+        self._ensure_state(_arr.namespace(like), like)
+
+    def _buf(self, xp, name, n, dtype):
+        """A reusable scratch array of at least ``n`` elements (first ``n`` returned)."""
+        a = self._scratch.get(name)
+        if a is None or a.size < n or a.dtype != dtype or _arr.namespace(a) is not xp:
+            a = self._scratch[name] = xp.empty(n, dtype)
+        return a[:n]
+
+    def freshness(self, i=None):
+        """The freshness f after the last committed step: of tensor ``i`` (shaped like it), or of
+        the fused buffer (``i=None``); a host array. Derived from the mask's schedule for the
+        cyclic mask (built here, O(size)); a copy of the stored state otherwise."""
+        lay = self.layout
+        idx = range(len(lay)) if i is None else [i]
+        parts = []
+        for k in idx:
+            n = lay.sizes[k]
+            if not self.derived:
+                f = self._host["f"] if self._host is not None and "f" in self._host else self._f
+                parts.append(np.ones(n, lay.dtype) if f is None else
+                             _arr.to_host(f[lay.offsets[k] : lay.offsets[k] + n]).copy())
+                continue
+            mask = self.comm.mask
+            geo = mask._geo.get(k)
+            if geo is None or self.t == 0 or mask.num_chunks == 1:
+                parts.append(np.ones(n, lay.dtype))
+                continue
+            stale = np.asarray(mask.staleness(self.t))
+            F = self.beta3 ** stale.astype(np.float64)
+            q = (np.arange(n, dtype=np.int64) + geo.o) // geo.B + (geo.qs - geo.r0)
+            groups = np.unique(q // geo.C)
+            rot = dict(zip(groups.tolist(), [geo.rot(int(g)) for g in groups]))
+            h = np.array([rot[int(g)] for g in (q // geo.C)], np.int64)
+            parts.append(F[(q % geo.C + h) % geo.C].astype(lay.dtype))
+        if i is not None:
+            return parts[0].reshape(lay.shapes[i])
+        return np.concatenate(parts) if parts else np.zeros(0, lay.dtype)
+
     def state_dict(self):
-        """This rank's state: step, m, v, f (host copies) and the communicator's state."""
+        """This rank's state: step, m, v, f (host copies; f derived where the mask allows) and
+        the communicator's state."""
+        src = self._host if self._host is not None else {"m": self.m, "v": self.v}
         host = (lambda a: None if a is None else _arr.to_host(a).copy())
+        have = src.get("m") is not None
         return {
             "step": self.t,
-            "m": host(self.m),
-            "v": host(self.v),
-            "f": host(self.f),
+            "m": host(src.get("m")),
+            "v": host(src.get("v")),
+            "f": self.freshness() if have else None,
             "comm": self.comm.state_dict(),
         }
 
-    def load_state_dict(self, state, xp=np):
-        """Restore :meth:`state_dict` output exactly; ``xp`` is where the state should live."""
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output exactly. The state stays on the host until the next
+        step, which moves it to the device of that step's arrays (so a GPU run resumes on the
+        GPU). For the cyclic mask the saved freshness is not needed (it is derived)."""
         if self._t_open is not None:
             raise RuntimeError("cannot load state in the middle of a step")
-        self.comm.load_state_dict(state["comm"], xp=xp)
+        self.comm.load_state_dict(state["comm"])
         self.t = int(state["step"])
-        if state["m"] is None:
-            self._xp = None
-            self.m = self.v = self.f = None
-            return
-        for k in ("m", "v", "f"):
-            if np.shape(state[k]) != (self.layout.total,):
-                raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({self.layout.total},)")
         self._xp = None
-        self._ensure_state(xp)
-        self.f = xp.ones(self.layout.total, self.layout.dtype)
-        for k in ("m", "v", "f"):
-            getattr(self, k)[...] = xp.asarray(state[k])
+        self.m = self.v = self._f = None
+        self._scratch = {}
+        if state["m"] is None:
+            self._host = None
+            return
+        dt, n = self.layout.dtype, self.layout.total
+        keys = ("m", "v") if self.derived else ("m", "v", "f")
+        for k in keys:
+            if np.shape(state[k]) != (n,):
+                raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({n},)")
+        self._host = {k: np.array(_arr.to_host(state[k]), dtype=dt, copy=True) for k in keys}
 
     # ------------------------------------------------------------------ pieces
     def begin_step(self):
         """Open step ``t + 1`` and return it."""
         if self._t_open is not None:
             raise RuntimeError(f"step {self._t_open} is still open: call apply() (or abort_step()) first")
-        self._t_open = self.t + 1
-        self._sel = self._pos = None
-        return self._t_open
+        t = self._t_open = self.t + 1
+        self._bad_tensors = {}
+        self._payload = None
+        self._picks = {}
+        self._local = {}
+        kind = self.comm.mask.kind
+        if kind == "topk":
+            self._counts = None
+        else:
+            self._counts = [self.comm.mask.count(t, i) for i in range(len(self.layout))]
+            self._starts = _starts(self._counts)
+        return t
 
     def abort_step(self):
         """Abandon the open step: nothing it computed is kept."""
         self._t_open = None
-        self._sel = self._pos = None
+        self._payload = None
+        self._picks = {}
+        self._local = {}
 
     def _open(self):
         if self._t_open is None:
             raise RuntimeError("no step is open: call begin_step() first")
         return self._t_open
 
-    def accumulate(self, i, g_i):
-        """Local moments of tensor ``i`` from its gradient (shaped like tensor ``i``)."""
+    def counts(self):
+        """Per tensor, the number of its elements in M_t of the open step (the payload layout;
+        not known before :meth:`exchange` for the topk mask)."""
         self._open()
-        g_i = _arr.as_array(g_i)
-        xp = _arr.namespace(g_i)
-        self._ensure_state(xp)
-        o, n = self.layout.offsets[i], self.layout.sizes[i]
-        if g_i.size != n:
-            raise LayoutError(f"gradient of tensor {self.layout.names[i]!r} has {g_i.size} elements, expected {n}")
-        self._moments(slice(o, o + n), g_i.reshape(-1))
+        if self._counts is None:
+            raise RuntimeError("the topk mask's counts are known only after exchange()")
+        return list(self._counts)
 
-    def _moments(self, sl, g):
-        """``m_next = b1 m + (1-b1) g``, ``v_next = b2 v + (1-b2) g^2`` on slice ``sl``, no temporaries."""
-        xp = self._xp
-        b1, b2 = self.betas
-        dt = self.layout.dtype.type
-        tmp, mn, vn = self._tmp[sl], self._m_next[sl], self._v_next[sl]
-        xp.multiply(g, dt(1.0 - b1), out=tmp)
-        xp.multiply(self.m[sl], dt(b1), out=mn)
-        mn += tmp
-        xp.multiply(g, g, out=tmp)
-        tmp *= dt(1.0 - b2)
-        xp.multiply(self.v[sl], dt(b2), out=vn)
-        vn += tmp
+    def picks(self, i, xp=np):
+        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.masks.Picks`)."""
+        t = self._open()
+        p = self._picks.get(i)
+        if p is None:
+            if self.comm.mask.kind == "topk":
+                raise RuntimeError("the topk mask's picks are known only after exchange()")
+            p = self.comm.mask.picks(t, i, xp)
+            if self.comm.mask.kind == "bernoulli":
+                self._picks[i] = p  # drawn once per step (the cyclic mask's are cheaper to derive again)
+        return p
 
-    def momentum_views(self):
-        """Per-tensor views of the momentum being computed in the open step."""
-        self._open()
-        return self.layout.views(self._m_next)
+    def _limit(self, xp):
+        return BLOCK if xp is np else None
 
-    def mask_positions(self, t=None):
-        """Per tensor, the flat positions within that tensor that are in M_t (int arrays).
+    def _check(self, xp, g, i):
+        """This gradient's contribution to the step's "bad" flag (host bool on the CPU, a 0-d
+        device array on a GPU): NaN/Inf, or a square that would overflow v."""
+        lim = math.sqrt(float(np.finfo(self.layout.dtype).max))
+        if g.size == 0:
+            return False
+        if xp is np:
+            ok = True
+            for lo in range(0, g.size, BLOCK):
+                gb = g[lo : lo + BLOCK]
+                ok = ok and bool(gb.max() < lim) and bool(gb.min() > -lim)
+            bad = not ok
+        else:
+            bad = ~((g.max() < lim) & (g.min() > -lim))
+        self._bad_tensors[i] = bad
+        return bad
 
-        For the 'topk' mask this is a collective (every rank must call it) and needs the
-        moments of the open step to be accumulated first.
+    def accumulate(self, i, g_i, out=None):
+        """Take tensor ``i``'s gradient for the open step (nothing is committed yet).
+
+        Writes this rank's new momentum on M_t of tensor ``i`` (``b1 m + (1-b1) g`` at the
+        picked positions, in payload order) into ``out`` (an array of ``counts()[i]``
+        elements, any float dtype, e.g. the caller's own allreduce buffer) or into the
+        step's payload. For the topk mask it picks the tensor's top-k instead (the payload
+        follows in :meth:`exchange`). Returns whether this gradient is bad (a bool on the
+        CPU, a 0-d array on a GPU): NaN/Inf, or too large for v.
         """
-        t = self._open() if t is None else t
-        if self._pos is None:
-            idx = self._select(t).index
-            xp = self._xp or np
-            s = xp.sort(idx)
-            ends = np.asarray(self.layout.offsets[1:] + [self.layout.total])
-            cuts = _arr.to_host(xp.searchsorted(s, xp.asarray(ends)))
-            starts = [0] + cuts[:-1].tolist()
-            self._pos = [s[a:b] - o for a, b, o in zip(starts, cuts.tolist(), self.layout.offsets)]
-        return self._pos
+        self._open()
+        lay = self.layout
+        g = _arr.as_array(g_i)
+        xp = _arr.namespace(g)
+        n = lay.sizes[i]
+        if g.size != n:
+            raise LayoutError(f"gradient of tensor {lay.names[i]!r} has {g.size} elements, expected {n}")
+        g = g.reshape(-1)
+        with _arr.device_scope(g):
+            self._ensure_state(xp, g)
+            bad = self._check(xp, g, i)
+            o = lay.offsets[i]
+            m = self.m[o : o + n]
+            b1 = self.betas[0]
+            dt = lay.dtype.type
+            if self.comm.mask.kind == "topk":
+                if i in lay.compressible:
+                    mn = self._buf(xp, "u", n, lay.dtype)
+                    self._moment1(xp, m, g, mn)
+                    self._local[i] = self.comm.mask.pick(i, mn)
+                return bad
+            picks = self.picks(i, xp)
+            if out is None:
+                if self._payload is None:
+                    self._payload = xp.empty(self._starts[-1] + 1, self.comm.value_dtype)
+                s = self._starts[i]
+                out = self._payload[s : s + picks.count]
+            self._gather(xp, picks, m, g, out, dt(b1), dt(1.0 - b1))
+        return bad
 
-    def _select(self, t):
-        if self._sel is None:
-            xp = self._xp or np
-            self._sel = self.comm.mask.select(t, xp=xp, flat=self._m_next, transport=self.comm.transport)
-        return self._sel
+    def _moment1(self, xp, m, g, out):
+        """``out = b1 m + (1-b1) g`` (the new momentum, not committed), blocked on the CPU."""
+        b1 = self.betas[0]
+        dt = self.layout.dtype.type
+        lim = self._limit(xp) or m.size
+        for lo in range(0, m.size, lim):
+            hi = min(lo + lim, m.size)
+            o = out[lo:hi]
+            xp.multiply(m[lo:hi], dt(b1), out=o)
+            tmp = self._buf(xp, "tmp", hi - lo, self.layout.dtype)
+            xp.multiply(g[lo:hi], dt(1.0 - b1), out=tmp)
+            o += tmp
 
-    def exchange(self):
-        """The momentum exchange of the open step: one fused masked allreduce of m over M_t.
+    def _gather(self, xp, picks, m, g, out, b1, c1):
+        """``out = b1 m[M_t] + (1 - b1) g[M_t]`` for one tensor, in payload order."""
+        dt = self.layout.dtype
+        for r in picks.ranges(self._limit(xp)):
+            a, b = picks.span(r)
+            if b == a:
+                continue
+            tm = picks.take(m, r, self._buf(xp, "ta", b - a, dt))
+            tg = picks.take(g, r, self._buf(xp, "tb", b - a, dt))
+            tm *= b1
+            tg *= c1
+            tm += tg
+            out[a:b] = tm
 
-        Raises NonFiniteError on every rank if any rank's new moments are non-finite; the
-        step is then aborted and no state changes.
+    def exchange(self, grads=None):
+        """The momentum exchange of the open step: one allreduce of the payload (every tensor's
+        M_t entries and a status word) and one host read. For the topk mask it first forms the
+        union of the ranks' picks (one more host read) and gathers the payload from ``grads``
+        (the same gradients as given to :meth:`accumulate`).
+
+        Raises NonFiniteError on every rank if any rank's gradients are bad; the step is then
+        aborted and no state changes.
         """
         t = self._open()
-        xp = self._xp
-        # NaN and Inf propagate into a sum: one reduction per buffer, no boolean temporaries.
-        local_bad = not bool(xp.isfinite(xp.sum(self._m_next)) & xp.isfinite(xp.sum(self._v_next)))
+        lay, comm = self.layout, self.comm
+        xp = self._xp or np
         try:
-            _, sel = self.comm._masked_allreduce(self._m_next, t, local_nonfinite=local_bad)
+            if comm.mask.kind == "topk":
+                sel = comm.mask.union(xp, self._local, comm.transport)
+                self._picks = dict(enumerate(sel.picks))
+                self._counts, self._starts = sel.counts, _starts(sel.counts)
+                self._payload = xp.empty(self._starts[-1] + 1, comm.value_dtype)
+                gv = _views(lay, grads)
+                dt = lay.dtype.type
+                for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
+                    o = lay.offsets[i]
+                    self._gather(xp, p, self.m[o : o + lay.sizes[i]], gv[i], self._payload[s : s + c],
+                                 dt(self.betas[0]), dt(1.0 - self.betas[0]))
+            elif self._payload is None:
+                self._payload = xp.zeros(self._starts[-1] + 1, comm.value_dtype)  # no tensor accumulated
+            buf = self._payload
+            bad = False  # any tensor's gradient bad (the latest accumulate of each tensor counts)
+            for b in self._bad_tensors.values():
+                bad = (bad or bool(b)) if xp is np else (bad | b)
+            comm.reduce_checked(buf, None, bad, f"SLAMB momentum exchange at step {t}",
+                                spans=(self._starts[:-1], self._counts))
         except NonFiniteError as e:
+            names = [lay.names[i] for i, b in self._bad_tensors.items() if bool(b)]
             self.abort_step()
-            if not local_bad:
+            if not names:
                 raise
-            bad = xp.logical_not(xp.isfinite(self._m_next) & xp.isfinite(self._v_next))
-            names = [n for n, v in zip(self.layout.names, self.layout.views(bad)) if bool(v.any())]
             raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
         except Exception:
             self.abort_step()
             raise
-        self._sel = sel
+        payload = buf.size * buf.dtype.itemsize
+        dense = lay.total * lay.dtype.itemsize
+        comm.stats.record("masked_allreduce", Traffic(
+            1, payload, allreduce_wire(payload, comm.size), dense, allreduce_wire(dense, comm.size),
+            buf.size - 1, lay.total))
 
-    def apply(self, x, lr=None, weight_decay=None):
-        """Finish the open step on parameters ``x`` (fused buffer or list of arrays, in place).
+    def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None):
+        """Finish the open step on parameters ``x`` (in place) with the gradients ``grads``.
 
-        Freshness, Adam direction, per-tensor trust ratios, the element-wise update, and
-        the periodic parameter sync after steps with ``(t - 1) % H == 0``. Commits the step.
+        ``x`` and ``grads``: fused buffers, lists of arrays shaped like the layout, or lazily
+        read sequences (see :meth:`slamb_comm.Communicator._take`). ``means``: per tensor, the
+        averaged payload of :meth:`accumulate` (when the caller did its own averaging), or
+        ``None`` after :meth:`exchange`. Commits the moments, then per tensor the direction,
+        the trust ratios and the update; then the periodic sync after steps with
+        ``(t - 1) % H == 0``. ``written(i)`` is called once tensor i of ``x`` is final.
         """
         t = self._open()
-        lay = self.layout
+        lay, comm = self.layout, self.comm
         lr = self.lr if lr is None else self._per_tensor(lr, "lr")
         wd = self.weight_decay if weight_decay is None else self._per_tensor(weight_decay, "weight_decay")
-        listed = isinstance(x, (list, tuple))
-        arrs = [_arr.as_array(a) for a in x] if listed else None
-        if listed:
-            if len(arrs) != len(lay):
-                raise LayoutError(f"got {len(arrs)} parameter arrays, expected {len(lay)}")
-            xp = _arr.namespace(*arrs)
-            flat = xp.concatenate([a.reshape(-1) for a in arrs]) if arrs else xp.zeros(0, lay.dtype)
+        xv, gv = _views(lay, x), _views(lay, grads)
+        if means is None:
+            if self._payload is None:
+                raise RuntimeError("no exchanged values: call exchange() or pass means=")
+            buf = self._payload
+            means = [buf[s : s + c] for s, c in zip(self._starts, self._counts)]
+            scale = 1.0 / comm.size
         else:
-            flat = _arr.as_array(x)
-            xp = _arr.namespace(flat)
-            if flat.shape != (lay.total,):
-                raise LayoutError(f"expected a fused buffer of {lay.total} elements, got shape {flat.shape}")
-        if flat.dtype != lay.dtype:
-            raise LayoutError(f"parameters have dtype {flat.dtype.name}, expected {lay.dtype.name}")
-        self._ensure_state(xp)
-        sel = self._select(t)
+            if len(means) != len(lay):
+                raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
+            means = [_arr.as_array(a).reshape(-1) for a in means]
+            scale = 1.0
+        P = comm.size
         b1, b2 = self.betas
-        P = self.comm.size
-        dt = lay.dtype.type
-        m, v, u, tmp = self._m_next, self._v_next, self._u, self._tmp
-
-        # Freshness: f = b3 f, then 1 on M_t (in place: nothing below can fail before the commit).
-        f = self.f
-        f *= dt(self.beta3)
-        sel.put(f, 1)
-        # Adam direction u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd x, in the
-        # order of the formula (the same float rounding as a plain implementation).
-        xp.divide(v, dt(1.0 - b2**t), out=u)
-        xp.sqrt(u, out=u)
-        u += dt(self.eps)
-        xp.divide(m, dt(1.0 - b1**t), out=tmp)
-        xp.divide(tmp, u, out=u)
-        views = lay.segments()
-        for (o, n), w in zip(views, wd):
-            if w and n:
-                xp.multiply(flat[o : o + n], dt(w), out=tmp[o : o + n])
-                u[o : o + n] += tmp[o : o + n]
-        # Per-tensor squared norms, accumulated in float64: everything, and the fresh set S = M_t (from the
-        # gathered |M_t| values); the stale set A is the difference (accumulated in float64).
-        x_all = np.array([float(xp.einsum("i,i->", flat[o : o + n], flat[o : o + n], dtype=np.float64))
-                          for o, n in views])
-        u_all = np.array([float(xp.einsum("i,i->", u[o : o + n], u[o : o + n], dtype=np.float64)) for o, n in views])
-        seg = self._segments_of(xp, sel.index)
-        xs, us = sel.take(flat, out=xp.empty(sel.size, np.float64)), sel.take(u, out=xp.empty(sel.size, np.float64))
-        x_s = _arr.to_host(xp.bincount(seg, weights=xs * xs, minlength=len(lay)))
-        u_s = _arr.to_host(xp.bincount(seg, weights=us * us, minlength=len(lay)))
-        n_s = _arr.to_host(xp.bincount(seg, minlength=len(lay)))
-        x_a, u_a = np.maximum(x_all - x_s, 0.0), np.maximum(u_all - u_s, 0.0)
-        phi_s = self._trust(np.sqrt(x_s), np.sqrt(u_s))
-        phi_a = self._trust(np.sqrt(x_a), np.sqrt(u_a))
-        # x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, per tensor.
-        tmp2 = self._tmp2
-        for i, (o, n) in enumerate(views):
+        F = None
+        if self.derived:
+            F = [self.beta3 ** s for s in comm.mask.staleness(t)]
+        xp = None
+        for i in range(len(lay)):
+            n = lay.sizes[i]
             if n == 0:
+                if written is not None:
+                    written(i)
                 continue
-            xi, ui, fi, ti = flat[o : o + n], u[o : o + n], f[o : o + n], tmp[o : o + n]
-            xp.multiply(fi, dt(lr[i] * phi_s[i]), out=ti)
-            if n_s[i] < n:  # some stale elements (where all are fresh, 1 - f == 0)
-                t2 = tmp2[o : o + n]
-                xp.subtract(dt(1), fi, out=t2)
-                t2 *= dt(lr[i] / math.sqrt(P) * phi_a[i])
-                ti += t2
-            ti *= ui
-            xi -= ti
-        # Commit the step (moments, freshness, step count) before the sync, which may raise.
-        self.m, self._m_next = self._m_next, self.m
-        self.v, self._v_next = self._v_next, self.v
+            xi, gi = xv[i], gv[i]
+            if xp is None:
+                xp = _arr.namespace(xi)
+                self._ensure_state(xp, xi)
+            if xi.dtype != lay.dtype or xi.size != n:
+                raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
+                                  f"expected {n} {lay.dtype.name}")
+            with _arr.device_scope(xi):
+                self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F)
+            if written is not None:
+                written(i)
+        # Commit the step count before the sync, which may raise (then on every rank alike).
         self.t = t
         self._t_open = None
-        self._sel = self._pos = None
+        self._payload = None
+        self._picks = {}
+        self._local = {}
         if (t - 1) % self.sync_interval == 0 and P > 1:
-            self.comm.sync(flat)
-        if listed:
-            for a, v in zip(arrs, lay.views(flat)):
-                a[...] = v
+            comm.sync(x, written=written)
         return x
 
-    def step(self, x, g, lr=None, weight_decay=None):
+    def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F):
+        """Commit tensor i's moments and update its parameters (both passes)."""
+        lay = self.layout
+        o, n = lay.offsets[i], lay.sizes[i]
+        dtype = lay.dtype
+        dt = dtype.type
+        m, v = self.m[o : o + n], self.v[o : o + n]
+        f = None if self.derived else self._f[o : o + n]
+        b1, b2 = self.betas
+        picks = self.picks(i, xp)
+        everything = picks.kind == "all"
+        limit = self._limit(xp)
+        ranges = picks.ranges(limit)
+        u = self._buf(xp, "u", n, dtype)
+        wide = np.promote_types(mean.dtype, dtype)
+        c_b1, c_1b1, c_b2, c_1b2 = dt(b1), dt(1.0 - b1), dt(b2), dt(1.0 - b2)
+        c_bc1, c_bc2, c_eps, c_wd = dt(1.0 - b1**t), dt(1.0 - b2**t), dt(self.eps), dt(wd)
+        c_b3 = dt(self.beta3)
+        sums = [0.0, 0.0, 0.0, 0.0]  # ||x||^2, ||u||^2, ||x_S||^2, ||u_S||^2
+        # Pass 1: moments (in place: the exchange succeeded), M_t's means, freshness, u, norms.
+        for r in ranges:
+            lo, hi = r[0], r[1]
+            mb, vb, gb, xb, ub = m[lo:hi], v[lo:hi], g[lo:hi], x[lo:hi], u[lo:hi]
+            tmp = self._buf(xp, "tmp", hi - lo, dtype)
+            xp.multiply(gb, c_1b1, out=tmp)
+            mb *= c_b1
+            mb += tmp
+            xp.multiply(gb, gb, out=tmp)
+            tmp *= c_1b2
+            vb *= c_b2
+            vb += tmp
+            a, b = picks.span(r)
+            if b > a:
+                vals = mean[a:b].astype(wide, copy=True)
+                if scale != 1.0:
+                    vals *= vals.dtype.type(scale)
+                picks.put(m, r, vals)
+            if f is not None and not everything:
+                f[lo:hi] *= c_b3
+                picks.put(f, r, 1)
+            # u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd x, in the formula's order
+            xp.divide(vb, c_bc2, out=ub)
+            xp.sqrt(ub, out=ub)
+            ub += c_eps
+            xp.divide(mb, c_bc1, out=tmp)
+            xp.divide(tmp, ub, out=ub)
+            if wd:
+                xp.multiply(xb, c_wd, out=tmp)
+                ub += tmp
+            sums[0] = sums[0] + _sumsq(xp, xb)
+            sums[1] = sums[1] + _sumsq(xp, ub)
+            if not everything and b > a:
+                sums[2] = sums[2] + _sumsq(xp, picks.take(x, r, self._buf(xp, "ta", b - a, dtype)))
+                sums[3] = sums[3] + _sumsq(xp, picks.take(u, r, self._buf(xp, "tb", b - a, dtype)))
+        if everything:
+            sums[2], sums[3] = sums[0], sums[1]
+        phi_s, phi_a = self._ratios(xp, sums)
+        # Pass 2: x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u
+        P = self.comm.size
+        if everything:
+            coef = _scalar(xp, lr * phi_s, dtype)
+            for lo, hi, _ in ranges:
+                tmp = self._buf(xp, "tmp", hi - lo, dtype)
+                xp.multiply(u[lo:hi], coef, out=tmp)
+                x[lo:hi] -= tmp
+            return
+        rate_s, rate_a = lr * phi_s, lr / math.sqrt(P) * phi_a
+        if f is None:  # derived freshness: a table of C coefficients, one per chunk
+            if xp is np:
+                table = np.array([rate_s * q + rate_a * (1.0 - q) for q in F], dtype)
+            else:
+                Fd = xp.asarray(np.asarray(F, np.float64))
+                table = (rate_s * Fd + rate_a * (1.0 - Fd)).astype(dtype)
+            table = xp.concatenate((table, table))
+            for r in ranges:
+                lo, hi = r[0], r[1]
+                tmp = self._buf(xp, "tmp", hi - lo, dtype)
+                picks.scale(table, r, u[lo:hi], tmp)
+                x[lo:hi] -= tmp
+            return
+        cs, ca = _scalar(xp, rate_s, dtype), _scalar(xp, rate_a, dtype)
+        for lo, hi, _ in ranges:
+            fb = f[lo:hi]
+            tmp = self._buf(xp, "tmp", hi - lo, dtype)
+            tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
+            xp.multiply(fb, cs, out=tmp)
+            xp.subtract(dt(1), fb, out=tmp2)
+            tmp2 *= ca
+            tmp += tmp2
+            tmp *= u[lo:hi]
+            x[lo:hi] -= tmp
+
+    def _ratios(self, xp, sums):
+        """``(phi_S, phi_A)`` from the four squared norms: host floats on the CPU, 0-d arrays
+        on a GPU (no host read)."""
+        xx, uu, xs, us = sums
+        if xp is np:
+            xa, ua = max(xx - xs, 0.0), max(uu - us, 0.0)
+            return self._trust(math.sqrt(xs), math.sqrt(us)), self._trust(math.sqrt(xa), math.sqrt(ua))
+        xa, ua = xp.maximum(xx - xs, 0.0), xp.maximum(uu - us, 0.0)
+        return self._trust_xp(xp, xp.sqrt(xs), xp.sqrt(us)), self._trust_xp(xp, xp.sqrt(xa), xp.sqrt(ua))
+
+    def _trust(self, xn, un):
+        """``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0."""
+        if xn > 0 and un > 0:
+            return min(max(xn / un, self.c_min), self.c_max)
+        return 1.0
+
+    def _trust_xp(self, xp, xn, un):
+        ok = (xn > 0) & (un > 0)
+        ratio = xp.clip(xn / xp.where(ok, un, 1.0), self.c_min, self.c_max)
+        return xp.where(ok, ratio, 1.0)
+
+    def step(self, x, g, lr=None, weight_decay=None, written=None):
         """One whole SLAMB step: ``x`` updated in place from this rank's gradient ``g``.
 
-        ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout.
+        ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
+        read sequences, with ``written`` as in :meth:`apply`).
         """
         self.begin_step()
         try:
-            if isinstance(g, (list, tuple)):
-                if len(g) != len(self.layout):
-                    raise LayoutError(f"got {len(g)} gradients, expected {len(self.layout)}")
-                for i, gi in enumerate(g):
-                    self.accumulate(i, gi)
-            else:
-                g = _arr.as_array(g)
-                if g.shape != (self.layout.total,) or g.dtype != self.layout.dtype:
-                    raise LayoutError(
-                        f"expected a fused gradient of {self.layout.total} {self.layout.dtype.name}, "
-                        f"got {g.shape} {g.dtype.name}"
-                    )
-                self._ensure_state(_arr.namespace(g))
-                self._moments(slice(0, self.layout.total), g)
+            gv = _views(self.layout, g)
+            for i in range(len(self.layout)):
+                self.accumulate(i, gv[i])
         except Exception:
             self.abort_step()
             raise
         try:
-            self.exchange()
+            self.exchange(g)
         except NonFiniteError as e:
             if self.on_nonfinite == "raise":
                 raise
@@ -420,16 +650,55 @@ class Slamb:
             log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
                         self.t + 1, self.skipped_steps, e)
             return x
-        return self.apply(x, lr=lr, weight_decay=weight_decay)
+        return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written)
 
-    # ------------------------------------------------------------------ helpers
-    def _segments_of(self, xp, idx):
-        """The tensor index of every position in ``idx``."""
-        starts = xp.asarray(np.asarray(self.layout.offsets, dtype=np.int64))
-        return xp.searchsorted(starts, idx, side="right") - 1
 
-    def _trust(self, xn, un):
-        """Per tensor ``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0 (host arrays)."""
-        ok = (xn > 0) & (un > 0)
-        ratio = np.divide(xn, un, out=np.ones_like(xn), where=ok)
-        return np.where(ok, np.clip(ratio, self.c_min, self.c_max), 1.0)
+def _starts(counts):
+    s = [0]
+    for c in counts:
+        s.append(s[-1] + c)
+    return s
+
+
+def _views(layout, x):
+    """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, or a lazy sequence."""
+    if isinstance(x, (list, tuple)):
+        if len(x) != len(layout):
+            raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
+        return [_arr.as_array(a).reshape(-1) for a in x]
+    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+        flat = _arr.as_array(x)
+        if flat.shape != (layout.total,) or flat.dtype != layout.dtype:
+            raise LayoutError(f"expected a fused buffer of {layout.total} {layout.dtype.name}, "
+                              f"got {flat.shape} {flat.dtype.name}")
+        return layout.flat_views(flat)
+    if len(x) != len(layout):
+        raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
+    return _LazyViews(x)
+
+
+class _LazyViews:
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __len__(self):
+        return len(self.seq)
+
+    def __getitem__(self, i):
+        return _arr.as_array(self.seq[i]).reshape(-1)
+
+
+def _sumsq(xp, a):
+    """``sum(a * a)`` accumulated in float64 (a host float on the CPU, a 0-d array on a GPU)."""
+    if xp is np:
+        if a.dtype == np.float64:
+            return float(np.dot(a, a))
+        return float(np.einsum("i,i->", a, a, dtype=np.float64))
+    return xp.sum(xp.square(a, dtype=np.float64))
+
+
+def _scalar(xp, value, dtype):
+    """A coefficient as a scalar of ``dtype`` (host) or a 0-d array of it (device)."""
+    if isinstance(value, float):
+        return dtype.type(value)
+    return value.astype(dtype)

@@ -80,7 +80,7 @@ class TestSingleRank:
     @pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
     def test_masked_allreduce_mask_is_the_codec_mask(self, mask):
         comm = comm_for(mask=mask, ratio=0.1)
-        ref = sc.codecs.make_mask(mask, comm.layout, 0.1, comm.seed)
+        ref = sc.masks.make_mask(mask, comm.layout, 0.1, comm.seed)
         assert comm.seed == 2024
         for step in (1, 2, 11):
             _, idx = comm.masked_allreduce(make_arrays(step), step)
@@ -368,7 +368,9 @@ def test_list_and_fused_inputs_agree(mask, vdt):
 # --------------------------------------------------------------------------- stats
 def _topk_wire_bytes(counts, itemsize):
     k = sum(counts)
-    return 8 + math.ceil(4 * k / 8) * 8 + itemsize * k  # header | int32 indices, padded to 8 | values
+    # header | int32 indices, padded to 8 | values, padded to 8 (so every rank's payload in an
+    # allgather buffer starts 8-byte aligned)
+    return math.ceil((8 + math.ceil(4 * k / 8) * 8 + itemsize * k) / 8) * 8
 
 
 class TestStats:
@@ -396,15 +398,15 @@ class TestStats:
         counts = [1200, 5, 1200]
         assert comm.wire.counts == counts
         assert t.payload_bytes == _topk_wire_bytes(counts, itemsize)
-        assert t.payload_bytes == {4: 19252, 2: 14442, 8: 28872}[itemsize]
+        assert t.payload_bytes == {4: 19256, 2: 14448, 8: 28872}[itemsize]
         assert t.elements_sent == 2405 and t.elements_total == TOTAL
         assert t.dense_payload_bytes == 96200
 
     def test_sparse_allgather_payload_odd_k(self):
         comm = sc.Communicator(None, [np.zeros((100, 120), np.float32), np.zeros(30, np.float32)], ratio=0.1)
         comm.sparse_allgather([np.ones((100, 120), np.float32), np.ones(30, np.float32)])
-        # K = 1203: 4812 index bytes padded to 4816
-        assert comm.stats.last.payload_bytes == 8 + 4816 + 4 * 1203 == _topk_wire_bytes([1200, 3], 4)
+        # K = 1203: 4812 index bytes padded to 4816; 4812 value bytes padded to 4816
+        assert comm.stats.last.payload_bytes == 8 + 4816 + 4816 == _topk_wire_bytes([1200, 3], 4)
 
     @pytest.mark.parametrize("dtype,itemsize", [(np.float32, 4), (np.float64, 8), (np.float16, 2)])
     def test_sync_payload(self, dtype, itemsize):
@@ -422,18 +424,18 @@ class TestStats:
         comm.masked_allreduce(arrs, 1)
         comm.sparse_allgather(arrs)
         assert comm.stats.step.calls == 2
-        assert comm.stats.step.payload_bytes == 9804 + 19252
+        assert comm.stats.step.payload_bytes == 9804 + 19256
         done = comm.stats.new_step()
-        assert done.calls == 2 and done.payload_bytes == 9804 + 19252
+        assert done.calls == 2 and done.payload_bytes == 9804 + 19256
         assert comm.stats.step.calls == 0 and comm.stats.step.payload_bytes == 0
         comm.sync(arrs)
         assert comm.stats.step.calls == 1 and comm.stats.step.payload_bytes == 4 * (TOTAL + 1)
         assert comm.stats.last.payload_bytes == 4 * (TOTAL + 1)
         assert comm.stats.total.calls == 3
-        assert comm.stats.total.payload_bytes == 9804 + 19252 + 4 * (TOTAL + 1)
+        assert comm.stats.total.payload_bytes == 9804 + 19256 + 4 * (TOTAL + 1)
         assert comm.stats.total.dense_payload_bytes == 3 * 96200
         assert set(comm.stats.by_kind) == {"masked_allreduce", "sparse_allgather", "sync"}
-        assert comm.stats.by_kind["sparse_allgather"].payload_bytes == 19252
+        assert comm.stats.by_kind["sparse_allgather"].payload_bytes == 19256
         d = comm.stats.total.as_dict()
         assert d["calls"] == 3 and d["ratio"] == pytest.approx(d["payload_bytes"] / d["dense_payload_bytes"])
         assert "exchanges" in comm.stats.summary()

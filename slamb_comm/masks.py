@@ -1,0 +1,584 @@
+"""The shared masks M_t of ALGORITHM.md section 1 (step 2), derived per tensor when needed.
+
+No mask keeps an array of positions for the run: a step's positions are derived from the
+seed and the step when a tensor needs them, and dropped after. What a mask hands out is a
+:class:`Picks` per tensor: M_t within that tensor, with the gather and scatter on it, in
+cache-sized ranges on the CPU and in a few whole-tensor kernels on a GPU.
+
+* :class:`CyclicMask` (default): every compressible unit (an element, or a run of
+  ``block`` contiguous elements of the fused buffer) is synchronised exactly once every
+  ``C = ceil(1/k)`` steps. The permutation is keyed and stratified: the units, numbered in
+  fused-buffer order, are cut into groups of C consecutive units; group g assigns its C
+  units to the C chunks as the rotation ``chunk = (offset + h(g)) mod C``, where ``h`` is a
+  64-bit mixing hash (splitmix64) of (seed, g). Chunk (t-1) mod C is M_t. Chunks differ in
+  size by at most one unit, the positions of a step come out sorted, and both the
+  positions and every element's chunk (hence its freshness) are computed from O(1)
+  numbers per tensor and one hash per group.
+* :class:`BernoulliMask`: each compressible element is in M_t with probability k, drawn
+  per (seed, t, tensor) from gaps of a geometric distribution (O(k n) work).
+* :class:`TopKUnionMask`: the union over ranks of each rank's per-tensor top-k; a collective.
+
+Always-dense tensors (ndim <= 1 or fewer than ``dense_threshold`` elements) are in M_t
+whole at every step. No mask touches a global random generator.
+"""
+
+import math
+
+import numpy as np
+
+from . import arrays as _arr
+from .codecs import check_ratio, k_elems, topk_indices
+from .errors import ConfigError
+
+__all__ = ["Picks", "Selection", "CyclicMask", "BernoulliMask", "TopKUnionMask", "make_mask", "check_block"]
+
+_M64 = (1 << 64) - 1
+_G1, _G2, _G3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+#: elements per range of the CPU's blocked loops (a few such ranges fit in L2)
+BLOCK = 1 << 15
+
+
+def check_block(block):
+    """A run length of the cyclic mask: an integer >= 1."""
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ConfigError(f"block must be an integer >= 1, got {block!r}")
+    return int(block)
+
+
+def _mix(z):
+    """splitmix64's finaliser on a Python int."""
+    z = ((z ^ (z >> 30)) * _G2) & _M64
+    z = ((z ^ (z >> 27)) * _G3) & _M64
+    return z ^ (z >> 31)
+
+
+# ---------------------------------------------------------------------------- picks
+class Picks:
+    """M_t within one tensor of ``n`` elements, in local (0-based) positions.
+
+    ``count`` (a host int) elements are picked; their payload order is increasing
+    position. :meth:`ranges` cuts the tensor into ranges for a blocked loop; the other
+    methods act on one such range ``r`` (or on the whole tensor for ``r=None``):
+    :meth:`span` (its slice of the tensor's payload), :meth:`take` and :meth:`put` (gather
+    and scatter on the tensor's 1-D array ``a``).
+    """
+
+    kind = "all"
+
+    def __init__(self, n):
+        self.n = int(n)
+        self.count = self.n
+
+    def ranges(self, limit=None):
+        """``(lo, hi, tag)`` ranges covering ``[0, n)``, of about ``limit`` elements (None: one)."""
+        if limit is None or self.n <= limit:
+            return [(0, self.n, None)]
+        return [(lo, min(lo + limit, self.n), None) for lo in range(0, self.n, limit)]
+
+    def span(self, r):
+        return (0, self.count) if r is None else (r[0], r[1])
+
+    def take(self, a, r, out):
+        lo, hi = (0, self.n) if r is None else r[:2]
+        out[...] = a[lo:hi]
+        return out
+
+    def put(self, a, r, vals):
+        lo, hi = (0, self.n) if r is None else r[:2]
+        a[lo:hi] = vals
+
+    def positions(self, xp):
+        """The picked positions as an int64 array (materialised: for tests and inspection)."""
+        return xp.arange(self.n, dtype=np.int64)
+
+
+class IndexPicks(Picks):
+    """Picks given as sorted local positions (an int array on the tensor's device)."""
+
+    kind = "index"
+
+    def __init__(self, n, pos):
+        self.n = int(n)
+        self.pos = pos
+        self.count = int(pos.size)
+        self._cuts = None
+
+    def _cut(self, r):
+        if r is None:
+            return 0, self.count
+        if self._cuts is None or self._cuts[0] != r:  # NumPy only: blocked loops are a CPU thing
+            a, b = np.searchsorted(self.pos, (r[0], r[1]))
+            self._cuts = (r, (int(a), int(b)))
+        return self._cuts[1]
+
+    def span(self, r):
+        return self._cut(r)
+
+    def take(self, a, r, out):
+        s, e = self._cut(r)
+        out[...] = a[self.pos[s:e]]
+        return out
+
+    def put(self, a, r, vals):
+        s, e = self._cut(r)
+        a[self.pos[s:e]] = vals
+
+    def positions(self, xp):
+        return self.pos.astype(np.int64)
+
+
+class GridPicks(Picks):
+    """Picks of the cyclic mask in one tensor: a head range, a body of whole groups of C
+    units (one selected unit per group), and a tail range; see :class:`CyclicMask`."""
+
+    kind = "grid"
+
+    def __init__(self, geo, j, h_body, xp):
+        self.n, self.geo, self.j, self.xp = geo.n, geo, j, xp
+        C, B = geo.C, geo.B
+        self.h = h_body  # per body group: its rotation h(g), as int64 on the device
+        # selected unit of each body group, as an index among the body's units
+        self.sel = xp.arange(geo.G, dtype=np.int64)
+        self.sel *= C
+        om = xp.subtract(j, h_body)
+        om %= C
+        self.sel += om
+        self.head = geo.picked(geo.head, j)
+        self.tail = geo.picked(geo.tail, j)
+        self.nh = self.head[1] - self.head[0]
+        self.count = self.nh + geo.G * B + (self.tail[1] - self.tail[0])
+
+    def ranges(self, limit=None):
+        g = self.geo
+        out = []
+        if g.head[1] > g.head[0]:
+            out.append((g.head[0], g.head[1], "head"))
+        if g.G:
+            step = g.G if limit is None else max(1, limit // (g.C * g.B))
+            for a in range(0, g.G, step):
+                b = min(a + step, g.G)
+                out.append((g.e_a + a * g.C * g.B, g.e_a + b * g.C * g.B, ("body", a, b)))
+        if g.tail[1] > g.tail[0]:
+            out.append((g.tail[0], g.tail[1], "tail"))
+        return out
+
+    def span(self, r):
+        if r is None:
+            return 0, self.count
+        tag = r[2]
+        if tag == "head":
+            return 0, self.nh
+        B = self.geo.B
+        if tag == "tail":
+            return self.nh + self.geo.G * B, self.count
+        return self.nh + tag[1] * B, self.nh + tag[2] * B
+
+    def _pieces(self, r):
+        """``(part, s, e)`` for every part of range ``r`` (None: the whole tensor), with the
+        part's payload slice relative to the start of ``r``'s."""
+        parts = self.ranges(None) if r is None else [r]
+        base = 0 if r is None else self.span(r)[0]
+        out = []
+        for part in parts:
+            s, e = self.span(part)
+            if e > s:
+                out.append((part, s - base, e - base))
+        return out
+
+    def _body_rows(self, a, g0, g1):
+        """The body of 1-D ``a`` as rows of one unit (B elements), and the selected rows of groups g0..g1."""
+        geo = self.geo
+        body = a[geo.e_a : geo.e_a + geo.G * geo.C * geo.B]
+        return body.reshape(geo.G * geo.C, geo.B), self.sel[g0:g1]
+
+    def take(self, a, r, out):
+        B = self.geo.B
+        for part, s, e in self._pieces(r):
+            dst, tag = out[s:e], part[2]
+            if tag in ("head", "tail"):
+                lo, hi = self.head if tag == "head" else self.tail
+                dst[...] = a[lo:hi]
+                continue
+            rows, sel = self._body_rows(a, tag[1], tag[2])
+            if B == 1 and dst.dtype == a.dtype and _arr.namespace(a) is np:
+                np.take(rows.reshape(-1), sel, out=dst, mode="clip")  # no bounds checks: the mask made sel
+            else:
+                dst.reshape(-1, B)[...] = rows[sel]
+        return out
+
+    def put(self, a, r, vals):
+        B = self.geo.B
+        scalar = not hasattr(vals, "shape")
+        for part, s, e in self._pieces(r):
+            v, tag = (vals if scalar else vals[s:e]), part[2]
+            if tag in ("head", "tail"):
+                lo, hi = self.head if tag == "head" else self.tail
+                a[lo:hi] = v
+                continue
+            rows, sel = self._body_rows(a, tag[1], tag[2])
+            if B == 1 and not scalar and v.dtype == a.dtype and _arr.namespace(a) is np:
+                np.put(rows.reshape(-1), sel, v, mode="clip")
+            else:
+                rows[sel] = v if scalar else v.reshape(-1, B)
+
+    def scale(self, table, r, u, out):
+        """``out = table[chunk(e)] * u`` for the elements e of range ``r``, where ``table`` is
+        the tensor's per-chunk coefficient table doubled (2C entries, an array on u's device);
+        ``u`` and ``out`` are the range's 1-D arrays."""
+        geo, xp = self.geo, self.xp
+        lo, hi, tag = r
+        if tag == "head" or tag == "tail":
+            c = geo.chunks(lo, hi, xp)
+            xp.multiply(table.take(c), u, out=out)
+            return out
+        g0, g1 = tag[1], tag[2]
+        C = geo.C
+        windows = _windows(xp, table, C)
+        coef = windows.take(self.h[g0:g1], axis=0)  # (groups, C): row g is table[h_g : h_g + C]
+        if geo.B == 1:
+            xp.multiply(coef.reshape(-1), u, out=out)
+        else:
+            xp.multiply(coef.reshape(g1 - g0, C, 1), u.reshape(g1 - g0, C, geo.B), out=out.reshape(g1 - g0, C, geo.B))
+        return out
+
+    def positions(self, xp):
+        parts = []
+        geo = self.geo
+        if self.nh:
+            parts.append(xp.arange(self.head[0], self.head[1], dtype=np.int64))
+        if geo.G:
+            starts = self.sel * geo.B + geo.e_a
+            parts.append((starts[:, None] + xp.arange(geo.B, dtype=np.int64)[None, :]).reshape(-1))
+        if self.tail[1] > self.tail[0]:
+            parts.append(xp.arange(self.tail[0], self.tail[1], dtype=np.int64))
+        return xp.concatenate(parts) if parts else xp.zeros(0, np.int64)
+
+
+def _windows(xp, table, C):
+    """``(C, C)`` view of the doubled table: row w is ``table[w : w + C]``."""
+    s = table.strides[0]
+    return xp.lib.stride_tricks.as_strided(table, shape=(C, C), strides=(s, s))
+
+
+class _Geometry:
+    """Where one compressible tensor's units and groups lie (host integers only).
+
+    Units are numbered over the whole fused buffer in order: with ``B = 1`` the compressible
+    elements, else the runs ``[r B, (r+1) B)`` that hold a compressible element. Local
+    element ``e`` of the tensor (fused offset ``o``) is in unit ``qs + (o + e)//B - r0``.
+    """
+
+    def __init__(self, o, n, B, C, qs, key):
+        self.o, self.n, self.B, self.C, self.qs, self.key = o, n, B, C, qs, key
+        self.r0 = o // B
+        e1 = (-o) % B  # first local element that starts a run
+        q1 = qs + (1 if e1 else 0)  # that run's unit
+        q_a = -(-q1 // C) * C  # the first group boundary at or after it
+        e_a = e1 + (q_a - q1) * B
+        if e_a >= n:
+            self.e_a, self.G = n, 0
+        else:
+            self.e_a = e_a
+            self.G = ((n - e_a) // B) // C
+        self.g_a = q_a // C  # global index of the first body group
+        body_end = self.e_a + self.G * C * B
+        self.head = (0, self.e_a)
+        self.tail = (body_end, n)
+
+    def unit(self, e):
+        return self.qs + (self.o + e) // self.B - self.r0
+
+    def rot(self, g):
+        """h(g) for one group (host)."""
+        return _mix((self.key + g + _G1) & _M64) % self.C
+
+    def picked(self, rng, j):
+        """The sub-range of ``rng`` (within one group) whose unit is in chunk j."""
+        lo, hi = rng
+        if hi <= lo:
+            return (lo, lo)
+        g = self.unit(lo) // self.C  # a head or a tail lies within one group
+        q = g * self.C + (j - self.rot(g)) % self.C
+        first = (self.r0 + q - self.qs) * self.B - self.o  # local start of unit q's run
+        a, b = max(lo, first), min(hi, first + self.B)
+        return (a, b) if a < b else (lo, lo)
+
+    def count(self, j):
+        h, t = self.picked(self.head, j), self.picked(self.tail, j)
+        return (h[1] - h[0]) + self.G * self.B + (t[1] - t[0])
+
+    def chunks(self, lo, hi, xp):
+        """Chunk of every element of ``[lo, hi)`` inside a head or a tail (one group)."""
+        g = self.unit(lo) // self.C
+        q = (np.arange(lo, hi, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
+        c = (q % self.C + self.rot(g)) % self.C
+        return c if xp is np else xp.asarray(c)
+
+    def body_rotations(self, xp):
+        """h(g) of every body group, computed on the device (one vectorised hash)."""
+        z = xp.arange(self.g_a, self.g_a + self.G, dtype=np.uint64)
+        z += np.uint64((self.key + _G1) & _M64)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(_G2)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(_G3)
+        z ^= z >> np.uint64(31)
+        z %= np.uint64(self.C)
+        return z.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------- selection
+class Selection:
+    """M_t over the whole layout: one :class:`Picks` per tensor.
+
+    ``index`` (built on first use) lists the positions in the fused buffer in payload order
+    (tensor by tensor, increasing); ``take`` and ``put`` gather and scatter on a fused
+    buffer or on a list of per-tensor arrays.
+    """
+
+    def __init__(self, layout, picks, xp=np, block=1):
+        self.layout = layout
+        self.picks = picks
+        self.xp = xp
+        self.block = block
+        self.counts = [p.count for p in picks]
+        self.starts = [0]
+        for c in self.counts:
+            self.starts.append(self.starts[-1] + c)
+        self.size = self.starts.pop()
+        self._index = None
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def index(self):
+        if self._index is None:
+            xp = self.xp
+            parts = [p.positions(xp) + o for p, o in zip(self.picks, self.layout.offsets) if p.count]
+            self._index = xp.concatenate(parts) if parts else xp.zeros(0, np.int64)
+        return self._index
+
+    def __array__(self, dtype=None, copy=None):
+        """NumPy sees the positions (``np.asarray(selection)``; host selections only)."""
+        return self.index if dtype is None else self.index.astype(dtype)
+
+    @property
+    def blocks(self):
+        """For a mask over runs (``block`` > 1): the ids of the runs of the fused buffer (run r
+        is ``[r * block, (r + 1) * block)``) whose compressible elements M_t brings; None for a
+        mask over elements."""
+        if self.block == 1:
+            return None
+        xp = self.xp
+        parts = [p.positions(xp) + o for p, o, i in zip(self.picks, self.layout.offsets, range(len(self.picks)))
+                 if p.kind != "all" and p.count]
+        return xp.unique(xp.concatenate(parts) // self.block) if parts else xp.zeros(0, np.int64)
+
+    def _views(self, a):
+        if isinstance(a, (list, tuple)):
+            return [x.reshape(-1) for x in a]
+        return self.layout.flat_views(a)
+
+    def take(self, a, out=None):
+        """``a[index]`` in payload order (into ``out`` if given; it may have another dtype)."""
+        views = self._views(a)
+        if out is None:
+            out = _arr.namespace(views[0] if views else a).empty(self.size, views[0].dtype if views else np.float32)
+        for p, v, s, c in zip(self.picks, views, self.starts, self.counts):
+            if c:
+                p.take(v, None, out[s : s + c])
+        return out
+
+    def put(self, a, vals):
+        """``a[index] = vals`` (``vals``: an array in payload order, or a scalar)."""
+        scalar = not hasattr(vals, "shape")
+        for p, v, s, c in zip(self.picks, self._views(a), self.starts, self.counts):
+            if c:
+                p.put(v, None, vals if scalar else vals[s : s + c])
+
+
+# ---------------------------------------------------------------------------- masks
+class _Mask:
+    kind = ""
+
+    def __init__(self, layout, ratio, seed):
+        self.layout = layout
+        self.ratio = check_ratio(ratio)
+        self.seed = int(seed)
+
+    def state_dict(self):
+        return {"kind": self.kind, "ratio": self.ratio, "seed": self.seed}
+
+    def count(self, t, i):
+        """|M_t| within tensor ``i`` (host integer, no device work)."""
+        return self.picks(t, i, np).count
+
+    def select(self, t, xp=np, views=None, transport=None):
+        """M_t over the layout as a :class:`Selection`."""
+        return Selection(self.layout, [self.picks(t, i, xp) for i in range(len(self.layout))], xp,
+                         getattr(self, "block", 1))
+
+
+class CyclicMask(_Mask):
+    """The paper's random-k mask: chunks of one shared keyed permutation, in turn.
+
+    Units (single compressible elements, or with ``block`` > 1 the runs of ``block``
+    contiguous positions of the fused buffer that hold a compressible element; a selected
+    run brings all its compressible elements) are numbered in fused-buffer order and cut
+    into groups of ``C = ceil(1/ratio)`` consecutive units. In group g, the unit at offset
+    w belongs to chunk ``(w + h(g)) mod C``, with h a keyed 64-bit hash of the shared seed
+    and g. Step t selects chunk ``(t - 1) mod C`` plus every always-dense element, so each
+    compressible element is synchronised exactly once every C steps, and every group gives
+    each chunk one unit (chunk sizes differ by at most one unit).
+
+    Nothing of size O(elements) is kept: :meth:`picks` derives a tensor's positions at
+    step t from a hash per group, and :meth:`staleness` gives every chunk's steps since
+    its last synchronisation, from which SLAMB derives the freshness instead of storing it.
+    """
+
+    kind = "cyclic"
+
+    def __init__(self, layout, ratio, seed, block=1):
+        super().__init__(layout, ratio, seed)
+        self.block = check_block(block)
+        self.num_chunks = C = math.ceil(1.0 / self.ratio - 1e-9)
+        self._key = _mix((self.seed + _G1) & _M64)
+        B = self.block
+        self._geo = {}
+        q, last_run = 0, -1
+        for i in layout.compressible:
+            o, n = layout.offsets[i], layout.sizes[i]
+            r0, r1 = o // B, (o + n - 1) // B
+            qs = q - 1 if r0 == last_run else q
+            q, last_run = qs + (r1 - r0) + 1, r1
+            self._geo[i] = _Geometry(o, n, B, C, qs, self._key)
+        self.units = q
+
+    def chunk(self, step):
+        return (int(step) - 1) % self.num_chunks
+
+    def picks(self, t, i, xp=np):
+        """M_t within tensor ``i`` (a :class:`GridPicks`, or everything for a dense tensor)."""
+        geo = self._geo.get(i)
+        if geo is None or self.num_chunks == 1:
+            return Picks(self.layout.sizes[i])
+        return GridPicks(geo, self.chunk(t), geo.body_rotations(xp), xp)
+
+    def count(self, t, i):
+        geo = self._geo.get(i)
+        if geo is None or self.num_chunks == 1:
+            return self.layout.sizes[i]
+        return geo.count(self.chunk(t))
+
+    def staleness(self, t):
+        """Per chunk c, the steps since its elements were last synchronised, at step t (after
+        step t's exchange): 0 for chunk (t-1) mod C; t for a chunk not yet reached."""
+        C, t = self.num_chunks, int(t)
+        j = (t - 1) % C
+        return [j - c if c <= j else (j - c + C if t > C else t) for c in range(C)]
+
+    def state_dict(self):
+        return {**super().state_dict(), "block": self.block}
+
+
+class BernoulliMask(_Mask):
+    """Each compressible element is in M_t with probability ``ratio``, independently.
+
+    Drawn on the host, per tensor i, from ``numpy.random.Generator(PCG64([seed, t, i]))`` as
+    the gaps of a geometric distribution (a Bernoulli process, in O(ratio * n) work): the
+    same on every rank, reproducible from (seed, t) alone. Staleness is unbounded.
+    """
+
+    kind = "bernoulli"
+
+    def picks(self, t, i, xp=np):
+        n = self.layout.sizes[i]
+        if i not in self.layout.compressible or self.ratio >= 1.0:
+            return Picks(n)
+        rng = np.random.Generator(np.random.PCG64([self.seed, int(t), i]))
+        p = self.ratio
+        gaps = []
+        end = 0
+        while end < n:  # almost always one draw: the mean and six standard deviations
+            want = int(n * p + 6.0 * math.sqrt(n * p * (1 - p)) + 16)
+            g = rng.geometric(p, size=want)
+            gaps.append(g)
+            end += int(g.sum())
+        pos = np.cumsum(np.concatenate(gaps)) - 1
+        pos = pos[: np.searchsorted(pos, n)].astype(np.int64)
+        return IndexPicks(n, pos if xp is np else xp.asarray(pos))
+
+
+class TopKUnionMask(_Mask):
+    """Each rank picks, per compressible tensor, the ``k_elems(ratio, n)`` largest ``|values|``;
+    M_t is the union over ranks (positions are allgathered first), plus the dense elements.
+
+    The union is formed on the device without a host read per tensor: one sort of every
+    rank's picks, a mark of the first of equal neighbours and a prefix sum; the only host
+    read is the per-tensor counts (one small array).
+    """
+
+    kind = "topk"
+
+    def pick(self, i, values):
+        """This rank's picks in tensor ``i`` (local positions, int64, increasing)."""
+        return topk_indices(values, k_elems(self.ratio, values.size))
+
+    def union(self, xp, local, transport):
+        """The Selection whose picks in every compressible tensor are the union over ranks of
+        ``local[i]`` (this rank's picks, from :meth:`pick`). Collective."""
+        lay = self.layout
+        comp = lay.compressible
+        parts = [local[i] + lay.offsets[i] for i in comp]
+        mine = xp.concatenate(parts) if parts else xp.zeros(0, np.int64)
+        every = xp.empty(mine.size * transport.size, np.int64)
+        transport.allgather(mine, every)
+        picks = [Picks(n) for n in lay.sizes]
+        if not comp:
+            return Selection(lay, picks, xp)
+        s = xp.sort(every)
+        first = xp.empty(s.size, dtype=bool)
+        first[:1] = True
+        xp.not_equal(s[1:], s[:-1], out=first[1:])
+        rank = xp.cumsum(first)  # 1-based rank of each distinct position
+        ends = xp.searchsorted(s, xp.asarray(np.array([lay.offsets[i] + lay.sizes[i] for i in comp], np.int64)))
+        upto = _arr.to_host(rank.take(ends - 1)).tolist()  # the one host read
+        out = xp.empty(upto[-1], np.int64)
+        rank -= 1
+        out[rank] = s  # equal positions write the same value to the same slot
+        prev = 0
+        for i, u in zip(comp, upto):
+            picks[i] = IndexPicks(lay.sizes[i], out[prev:u] - lay.offsets[i])
+            prev = u
+        return Selection(lay, picks, xp)
+
+    def picks(self, t, i, xp=np):
+        raise ConfigError("the topk mask needs every rank's data: use select(t, xp, views, transport)")
+
+    def count(self, t, i):
+        raise ConfigError("the topk mask's counts are known only after its collective selection")
+
+    def select(self, t, xp=np, views=None, transport=None):
+        """Collective: ``views`` is this rank's data, a fused buffer or one 1-D array per tensor."""
+        if views is None or transport is None:
+            raise ConfigError("the topk mask needs the data and a transport to select indices")
+        if hasattr(views, "ndim") and views.ndim == 1 and views.size == self.layout.total:
+            views = self.layout.flat_views(views)
+        local = {i: self.pick(i, views[i].reshape(-1)) for i in self.layout.compressible}
+        return self.union(xp, local, transport)
+
+
+_MASKS = {m.kind: m for m in (CyclicMask, BernoulliMask, TopKUnionMask)}
+
+
+def make_mask(kind, layout, ratio, seed, block=1):
+    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk'); ``block`` is the cyclic mask's run length."""
+    if kind not in _MASKS:
+        raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
+    if kind == "cyclic":
+        return CyclicMask(layout, ratio, seed, block)
+    if check_block(block) != 1:
+        raise ConfigError(f"block={block} applies to the cyclic mask only, not {kind!r}")
+    return _MASKS[kind](layout, ratio, seed)

@@ -1,0 +1,607 @@
+"""A strict stand-in for CuPy, so that every CuPy branch of slamb_comm runs on the CPU.
+
+``install()`` puts this module in ``sys.modules`` as ``cupy`` (with ``cupy.cuda``,
+``cupy.cuda.nccl`` and ``cupy.lib.stride_tricks``); slamb_comm then treats its arrays as
+device arrays and takes its GPU code paths. Its arrays hold host memory (a NumPy array
+inside) but behave like CuPy's where a mistake would hide on the CPU:
+
+* **No implicit conversion to NumPy**: ``np.asarray(a)`` / ``a.__array__()`` raise
+  ``TypeError`` (as CuPy does); a NumPy array where a device array is expected (an operand,
+  an ``out=``, an index, a value assigned into a device array) raises ``TypeError``;
+  NumPy ufuncs and functions refuse them (``__array_ufunc__ = None``).
+* **Alignment**: ``a.view(dtype)`` raises :class:`MisalignedAddressError` unless the
+  address is a multiple of the new item size (a GPU faults with
+  ``cudaErrorMisalignedAddress`` on such a read and loses its context).
+* **Host synchronisations are counted** (:data:`syncs`, :func:`reset_syncs`): ``.get()``,
+  ``asnumpy``, ``bool()``, ``float()``, ``int()``, ``.item()``, ``.tolist()``, stream and
+  event ``synchronize()``, and the operations whose result size depends on the data
+  (``flatnonzero``, ``nonzero``, ``unique``, boolean-mask indexing).
+* Reductions return 0-d arrays (as CuPy's do), so ``float(a.sum())`` is a counted read.
+* ``bincount`` raises ``ValueError`` on an empty input (CuPy takes a maximum).
+* ``cupy.cuda.nccl`` is a fake NCCL whose collectives run over ``MPI.COMM_WORLD`` on the
+  arrays' host memory, so :class:`slamb_comm.NCCLTransport` runs at 1, 2 and 4 ranks; every
+  stream and event operation is logged in :data:`cuda_log` (stream orderings can be
+  asserted, not observed).
+
+What it cannot catch: real concurrency and stream races (everything here runs in order on
+the host); device numerics (CUDA's own rounding of sqrt and division, fused multiply-add,
+reduction order in CUB); memory placement across several GPUs (there is one fake device);
+CUDA-aware MPI on real device pointers; out-of-memory on a 141 GB device; performance.
+Those need the real GPU run (``tests/test_gpu.py``; set ``SLAMB_COMM_REAL_CUPY=1`` to run
+the strict-double tests against real CuPy there).
+"""
+
+import ctypes
+import sys
+import types
+from collections import Counter
+
+import numpy as np
+
+__all__ = ["install", "ndarray", "syncs", "reset_syncs", "MisalignedAddressError"]
+
+syncs = Counter()  # kind -> count of host synchronisations
+cuda_log = []  # (operation, stream ptr / event id, ...) in program order
+
+
+def reset_syncs():
+    syncs.clear()
+
+
+def total_syncs():
+    return sum(syncs.values())
+
+
+class MisalignedAddressError(RuntimeError):
+    """What a GPU's typed read at a misaligned address would raise (cudaErrorMisalignedAddress)."""
+
+
+def _sync(kind):
+    syncs[kind] += 1
+
+
+def _unwrap(x, where="argument"):
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"Unsupported type {type(x)} as {where}: pass a device array (cupy.asarray) instead")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v, where) for v in x)
+    return x
+
+
+def _wrap(r):
+    if isinstance(r, np.ndarray):
+        return ndarray(r)
+    if isinstance(r, np.generic):
+        return ndarray(np.asarray(r))
+    if isinstance(r, tuple):
+        return tuple(_wrap(v) for v in r)
+    return r
+
+
+def _call(fn, *args, **kw):
+    args = _unwrap(args)
+    if "out" in kw and kw["out"] is not None:
+        out = kw["out"]
+        if not isinstance(out, ndarray):
+            raise TypeError(f"out= must be a device array, got {type(out)}")
+        kw["out"] = out._a
+        fn(*args, **kw)
+        return out
+    kw = {k: _unwrap(v) for k, v in kw.items()}
+    return _wrap(fn(*args, **kw))
+
+
+class _Pointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Flags:
+    def __init__(self, a):
+        self.c_contiguous = a.flags.c_contiguous
+        self.f_contiguous = a.flags.f_contiguous
+
+
+class ndarray:
+    """A device array of the double: NumPy memory, CuPy's manners."""
+
+    __array_ufunc__ = None  # NumPy's ufuncs and binary operators defer to (and refuse) us
+    __array_priority__ = 100
+
+    def __init__(self, a):
+        if not isinstance(a, np.ndarray):
+            raise TypeError("strict_cupy.ndarray wraps a numpy array")
+        self._a = a
+
+    # ---------------------------------------------------------------- attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: _Flags(self._a))
+    data = property(lambda self: _Pointer(self._a.ctypes.data))
+    T = property(lambda self: ndarray(self._a.T))
+
+    @property
+    def device(self):
+        return Device(0)
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self._a
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False), "version": 3,
+                "strides": None if a.flags.c_contiguous else a.strides}
+
+    def __repr__(self):
+        return f"strict_cupy.ndarray({self._a!r})"
+
+    # ---------------------------------------------------------------- no implicit host conversion
+    def __array__(self, *args, **kw):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
+                        "a NumPy array explicitly.")
+
+    def __bool__(self):
+        _sync("bool")
+        return bool(self._a)
+
+    def __float__(self):
+        _sync("float")
+        return float(self._a)
+
+    def __int__(self):
+        _sync("int")
+        return int(self._a)
+
+    def __index__(self):
+        _sync("index")
+        return int(self._a)
+
+    def item(self):
+        _sync("item")
+        return self._a.item()
+
+    def tolist(self):
+        _sync("tolist")
+        return self._a.tolist()
+
+    def get(self, stream=None, order="C", out=None):
+        _sync("get")
+        return self._a.copy()
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("set() takes a numpy array")
+        self._a[...] = arr.reshape(self._a.shape)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (_wrap(v) for v in self._a)
+
+    # ---------------------------------------------------------------- views and copies
+    def view(self, dtype):
+        dt = np.dtype(dtype)
+        if dt.itemsize > self._a.itemsize and self._a.ctypes.data % dt.itemsize:
+            raise MisalignedAddressError(
+                f"view as {dt.name} at address {self._a.ctypes.data:#x}, not a multiple of {dt.itemsize}")
+        return ndarray(self._a.view(dt))
+
+    def reshape(self, *shape, **kw):
+        return ndarray(self._a.reshape(*shape, **kw))
+
+    def ravel(self):
+        return ndarray(self._a.ravel())
+
+    def copy(self, order="C"):
+        return ndarray(self._a.copy(order))
+
+    def astype(self, dtype, copy=True, **kw):
+        if not copy and np.dtype(dtype) == self._a.dtype:
+            return self
+        return ndarray(self._a.astype(dtype))
+
+    def fill(self, v):
+        self._a.fill(v)
+
+    def take(self, indices, axis=None, out=None):
+        return _call(np.take, self, indices, axis=axis, out=out)
+
+    def __getitem__(self, key):
+        key = _key(key)
+        return _wrap(self._a[key])
+
+    def __setitem__(self, key, value):
+        key = _key(key)
+        self._a[key] = _unwrap(value, "value")
+
+    # ---------------------------------------------------------------- reductions (0-d results)
+    def sum(self, axis=None, dtype=None, out=None):
+        return _call(np.sum, self, axis=axis, dtype=dtype, out=out)
+
+    def max(self, axis=None, out=None):
+        return _call(np.max, self, axis=axis, out=out)
+
+    def min(self, axis=None, out=None):
+        return _call(np.min, self, axis=axis, out=out)
+
+    def all(self, axis=None):
+        return _call(np.all, self, axis=axis)
+
+    def any(self, axis=None):
+        return _call(np.any, self, axis=axis)
+
+    # ---------------------------------------------------------------- operators
+    def _bin(op):
+        def f(self, other):
+            if isinstance(other, np.ndarray):
+                raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            return _wrap(op(self._a, _unwrap(other)))
+        return f
+
+    def _rbin(op):
+        def f(self, other):
+            if isinstance(other, np.ndarray):
+                raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            return _wrap(op(_unwrap(other), self._a))
+        return f
+
+    def _ibin(op):
+        def f(self, other):
+            if isinstance(other, np.ndarray):
+                raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            op(self._a, _unwrap(other), out=self._a, casting="same_kind")
+            return self
+        return f
+
+    import operator as _op
+
+    __add__, __radd__, __iadd__ = _bin(_op.add), _rbin(_op.add), _ibin(np.add)
+    __sub__, __rsub__, __isub__ = _bin(_op.sub), _rbin(_op.sub), _ibin(np.subtract)
+    __mul__, __rmul__, __imul__ = _bin(_op.mul), _rbin(_op.mul), _ibin(np.multiply)
+    __truediv__, __rtruediv__, __itruediv__ = _bin(_op.truediv), _rbin(_op.truediv), _ibin(np.true_divide)
+    __floordiv__, __rfloordiv__, __ifloordiv__ = _bin(_op.floordiv), _rbin(_op.floordiv), _ibin(np.floor_divide)
+    __mod__, __rmod__, __imod__ = _bin(_op.mod), _rbin(_op.mod), _ibin(np.remainder)
+    __pow__, __rpow__ = _bin(_op.pow), _rbin(_op.pow)
+    __and__, __rand__, __iand__ = _bin(_op.and_), _rbin(_op.and_), _ibin(np.bitwise_and)
+    __or__, __ror__, __ior__ = _bin(_op.or_), _rbin(_op.or_), _ibin(np.bitwise_or)
+    __xor__, __rxor__, __ixor__ = _bin(_op.xor), _rbin(_op.xor), _ibin(np.bitwise_xor)
+    __rshift__, __irshift__ = _bin(_op.rshift), _ibin(np.right_shift)
+    __lshift__, __ilshift__ = _bin(_op.lshift), _ibin(np.left_shift)
+    __lt__, __le__, __gt__, __ge__ = _bin(_op.lt), _bin(_op.le), _bin(_op.gt), _bin(_op.ge)
+    __eq__, __ne__ = _bin(_op.eq), _bin(_op.ne)
+    __hash__ = None
+    del _op, _bin, _rbin, _ibin
+
+    def __neg__(self):
+        return ndarray(-self._a)
+
+    def __abs__(self):
+        return ndarray(np.abs(self._a))
+
+    def __invert__(self):
+        return ndarray(~self._a)
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA
+
+
+def _key(key):
+    """An index into a device array: ints, slices, Ellipsis, None and device arrays only."""
+    if isinstance(key, tuple):
+        return tuple(_key(k) for k in key)
+    if isinstance(key, np.ndarray):
+        raise TypeError("a numpy array cannot index a device array: pass a device array")
+    if isinstance(key, ndarray):
+        if key.dtype == bool:
+            _sync("boolean-index")  # the result's size depends on the data
+        return key._a
+    return key
+
+
+# ---------------------------------------------------------------------------- module functions
+def _fn(name):
+    npf = getattr(np, name)
+
+    def f(*args, **kw):
+        return _call(npf, *args, **kw)
+
+    f.__name__ = name
+    return f
+
+
+for _name in ("abs", "negative", "multiply", "add", "subtract", "divide", "true_divide", "sqrt", "square",
+              "isfinite", "isnan", "where", "maximum", "minimum", "clip", "not_equal", "equal", "greater",
+              "less", "cumsum", "searchsorted", "logical_not", "logical_or", "logical_and", "sum", "concatenate",
+              "stack", "sort", "take", "put", "ascontiguousarray", "count_nonzero", "remainder", "bitwise_xor",
+              "right_shift", "exp", "log", "power", "dot", "vdot", "einsum", "broadcast_to", "partition",
+              "array_equal", "allclose", "full_like", "zeros_like", "ones_like", "empty_like", "any", "all",
+              "floor_divide", "repeat"):
+    globals()[_name] = _fn(_name)
+
+
+def argsort(a, axis=-1, kind=None):
+    if kind not in (None, "stable"):
+        raise ValueError("CuPy's argsort is stable only")
+    return _call(np.argsort, a, axis=axis, kind="stable")
+
+
+def count_nonzero(a, axis=None):
+    return _call(np.count_nonzero, a, axis=axis)  # a 0-d array, no host read (as in CuPy)
+
+
+def flatnonzero(a):
+    _sync("flatnonzero")
+    return _call(np.flatnonzero, a)
+
+
+def nonzero(a):
+    _sync("nonzero")
+    return _call(np.nonzero, a)
+
+
+def unique(a, **kw):
+    _sync("unique")
+    return _call(np.unique, a, **kw)
+
+
+def bincount(x, weights=None, minlength=0):
+    if isinstance(x, ndarray) and x.size == 0:
+        raise ValueError("cannot compute bincount of an empty array (CuPy takes its maximum)")
+    return _call(np.bincount, x, weights=weights, minlength=minlength)
+
+
+def _from_host(a, dtype=None):
+    if isinstance(a, ndarray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    return ndarray(np.array(a, dtype=dtype, copy=True))
+
+
+def asarray(a, dtype=None, order=None):
+    return _from_host(a, dtype)
+
+
+def array(a, dtype=None, copy=True, order=None):
+    return _from_host(a, dtype) if not isinstance(a, ndarray) else (a.copy() if copy else a)
+
+
+def asnumpy(a, stream=None):
+    if isinstance(a, ndarray):
+        _sync("asnumpy")
+        return a._a.copy()
+    return np.asarray(a)
+
+
+def empty(shape, dtype=float, order="C"):
+    return ndarray(np.empty(shape, dtype))
+
+
+def zeros(shape, dtype=float, order="C"):
+    return ndarray(np.zeros(shape, dtype))
+
+
+def ones(shape, dtype=float, order="C"):
+    return ndarray(np.ones(shape, dtype))
+
+
+def full(shape, value, dtype=None):
+    return ndarray(np.full(shape, value, dtype))
+
+
+def arange(*args, dtype=None):
+    return ndarray(np.arange(*args, dtype=dtype))
+
+
+def from_dlpack(x):
+    dt = str(getattr(x, "dtype", ""))
+    if "bfloat16" in dt:
+        raise BufferError("unsupported DLPack dtype (bfloat16)")  # not a TypeError: as CuPy's import
+    return ndarray(np.from_dlpack(x))
+
+
+def get_array_module(*args):
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
+
+
+for _t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+           "uint64", "bool_", "nan", "inf", "dtype", "finfo", "iinfo", "promote_types", "result_type"):
+    globals()[_t] = getattr(np, _t)
+
+lib = types.ModuleType("cupy.lib")
+lib.stride_tricks = types.ModuleType("cupy.lib.stride_tricks")
+
+
+def _as_strided(x, shape=None, strides=None):
+    return ndarray(np.lib.stride_tricks.as_strided(x._a, shape=shape, strides=strides))
+
+
+lib.stride_tricks.as_strided = _as_strided
+
+
+# ---------------------------------------------------------------------------- cuda: devices, streams, events
+class Device:
+    """The one fake device; a context manager like ``cupy.cuda.Device``."""
+
+    current = 0
+
+    def __init__(self, device=None):
+        self.id = Device.current if device is None else int(device)
+        self._prev = []
+
+    def __enter__(self):
+        self._prev.append(Device.current)
+        Device.current = self.id
+        cuda_log.append(("device", self.id))
+        return self
+
+    def __exit__(self, *exc):
+        Device.current = self._prev.pop()
+
+    def use(self):
+        Device.current = self.id
+
+    def synchronize(self):
+        _sync("device.synchronize")
+
+
+class Event:
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.id = next(Event._ids)
+
+    def record(self, stream=None):
+        s = stream if stream is not None else get_current_stream()
+        cuda_log.append(("record", self.id, s.ptr))
+
+    def synchronize(self):
+        _sync("event.synchronize")
+
+
+class Stream:
+    """A fake stream: ``ptr``, ``synchronize`` (counted), ``wait_event``, ``record``, and ``with``."""
+
+    _ptrs = iter(range(0x1000, 1 << 62, 0x10))
+    _stack = []
+
+    def __init__(self, null=False, non_blocking=False, ptr=None):
+        self.ptr = 0 if null else (ptr if ptr is not None else next(Stream._ptrs))
+
+    def synchronize(self):
+        cuda_log.append(("synchronize", self.ptr))
+        _sync("stream.synchronize")
+
+    def wait_event(self, event):
+        cuda_log.append(("wait", self.ptr, event.id))
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def use(self):
+        Stream._stack[:] = [self]
+        return self
+
+    def __enter__(self):
+        Stream._stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        Stream._stack.pop()
+
+
+class ExternalStream(Stream):
+    def __init__(self, ptr, device_id=-1):
+        super().__init__(ptr=int(ptr))
+
+
+_NULL = Stream(null=True)
+
+
+def get_current_stream():
+    return Stream._stack[-1] if Stream._stack else _NULL
+
+
+cuda = types.ModuleType("cupy.cuda")
+cuda.Device, cuda.Event, cuda.Stream, cuda.ExternalStream = Device, Event, Stream, ExternalStream
+cuda.get_current_stream = get_current_stream
+cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: Device.current)
+
+
+# ---------------------------------------------------------------------------- a fake NCCL over MPI
+nccl = types.ModuleType("cupy.cuda.nccl")
+_NCCL_TYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 4: np.int64, 6: np.float16, 7: np.float32, 8: np.float64}
+(nccl.NCCL_INT8, nccl.NCCL_UINT8, nccl.NCCL_INT32, nccl.NCCL_INT64, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT32,
+ nccl.NCCL_FLOAT64) = 0, 1, 2, 4, 6, 7, 8
+nccl.NCCL_SUM = 0
+
+
+def _host(ptr, count, nccl_type):
+    dt = np.dtype(_NCCL_TYPES[nccl_type])
+    if count == 0:
+        return np.zeros(0, dt)
+    if ptr % dt.itemsize:
+        raise MisalignedAddressError(f"NCCL buffer at {ptr:#x} is not aligned for {dt.name}")
+    raw = (ctypes.c_char * (count * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dt)
+
+
+class NcclCommunicator:
+    """Collectives on host pointers over MPI.COMM_WORLD, with NCCL's signatures and its logging
+    of which stream each call was enqueued on."""
+
+    def __init__(self, ndev, uid, rank):
+        from mpi4py import MPI
+
+        self._comm = MPI.COMM_WORLD.Dup()
+        if self._comm.Get_size() != ndev or self._comm.Get_rank() != rank:
+            raise RuntimeError("fake NCCL: ranks must match MPI.COMM_WORLD")
+        self.aborted = False
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        cuda_log.append(("nccl.allReduce", stream))
+        src, dst = _host(sendbuf, count, datatype), _host(recvbuf, count, datatype)
+        everyone = self._comm.allgather(src.copy())
+        acc = everyone[0].astype(np.float64 if dst.dtype.kind == "f" else dst.dtype)
+        for a in everyone[1:]:
+            acc = acc + a
+        dst[...] = acc.astype(dst.dtype)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        cuda_log.append(("nccl.allGather", stream))
+        src = _host(sendbuf, count, datatype)
+        dst = _host(recvbuf, count * self._comm.Get_size(), datatype)
+        dst[...] = np.concatenate(self._comm.allgather(src.copy()))
+
+    def bcast(self, buff, count, datatype, root, stream):
+        cuda_log.append(("nccl.bcast", stream))
+        b = _host(buff, count, datatype)
+        b[...] = self._comm.bcast(b.copy(), root=root)
+
+    def abort(self):
+        self.aborted = True
+
+    def destroy(self):
+        pass
+
+
+def get_unique_id():
+    return tuple(range(128))
+
+
+nccl.NcclCommunicator, nccl.get_unique_id = NcclCommunicator, get_unique_id
+cuda.nccl = nccl
+
+
+# ---------------------------------------------------------------------------- installing
+_NAMES = {"cupy": None, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl, "cupy.lib": lib,
+          "cupy.lib.stride_tricks": lib.stride_tricks}
+
+
+class install:
+    """Context manager (or plain call + :meth:`undo`): this module is ``cupy`` until undone."""
+
+    def __init__(self):
+        self._saved = {k: sys.modules.get(k) for k in _NAMES}
+        me = sys.modules[__name__]
+        for k, v in _NAMES.items():
+            sys.modules[k] = me if v is None else v
+
+    def undo(self):
+        for k, v in self._saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+    def __enter__(self):
+        return sys.modules[__name__]
+
+    def __exit__(self, *exc):
+        self.undo()
