@@ -36,7 +36,7 @@ _M64 = (1 << 64) - 1
 _G1, _G2, _G3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 #: elements per range of the CPU's blocked loops (a few such ranges fit in L2)
-BLOCK = 1 << 15
+BLOCK = 1 << 16
 
 
 def check_block(block):
@@ -137,17 +137,17 @@ class GridPicks(Picks):
     def __init__(self, geo, j, h_body, xp):
         self.n, self.geo, self.j, self.xp = geo.n, geo, j, xp
         C, B = geo.C, geo.B
-        self.h = h_body  # per body group: its rotation h(g), as int64 on the device
-        # selected unit of each body group, as an index among the body's units
-        self.sel = xp.arange(geo.G, dtype=np.int64)
-        self.sel *= C
-        om = xp.subtract(j, h_body)
-        om %= C
-        self.sel += om
+        self.h = h_body  # per body group: its rotation h(g) (small unsigned ints, on the device)
+        # the selected unit of each body group, as an index among the body's units:
+        # g C + (j - h(g)) mod C, the modulo by a table lookup
+        lut = np.array([(j - c) % C for c in range(C)], np.int64)
+        self.sel = xp.arange(0, geo.G * C, C, dtype=np.int64)
+        self.sel += xp.take(lut if xp is np else xp.asarray(lut), h_body)
         self.head = geo.picked(geo.head, j)
         self.tail = geo.picked(geo.tail, j)
         self.nh = self.head[1] - self.head[0]
         self.count = self.nh + geo.G * B + (self.tail[1] - self.tail[0])
+        self._windows = None
 
     def ranges(self, limit=None):
         g = self.geo
@@ -194,6 +194,10 @@ class GridPicks(Picks):
 
     def take(self, a, r, out):
         B = self.geo.B
+        if r is not None and type(r[2]) is tuple and B == 1 and out.dtype == a.dtype and self.xp is np:
+            e_a = self.geo.e_a  # the CPU's hot path: one body range, single elements
+            np.take(a[e_a : e_a + self.geo.G * self.geo.C], self.sel[r[2][1] : r[2][2]], out=out, mode="clip")
+            return out
         for part, s, e in self._pieces(r):
             dst, tag = out[s:e], part[2]
             if tag in ("head", "tail"):
@@ -201,7 +205,7 @@ class GridPicks(Picks):
                 dst[...] = a[lo:hi]
                 continue
             rows, sel = self._body_rows(a, tag[1], tag[2])
-            if B == 1 and dst.dtype == a.dtype and _arr.namespace(a) is np:
+            if B == 1 and dst.dtype == a.dtype and self.xp is np:
                 np.take(rows.reshape(-1), sel, out=dst, mode="clip")  # no bounds checks: the mask made sel
             else:
                 dst.reshape(-1, B)[...] = rows[sel]
@@ -210,6 +214,11 @@ class GridPicks(Picks):
     def put(self, a, r, vals):
         B = self.geo.B
         scalar = not hasattr(vals, "shape")
+        if (r is not None and type(r[2]) is tuple and B == 1 and not scalar and vals.dtype == a.dtype
+                and self.xp is np):
+            e_a = self.geo.e_a
+            np.put(a[e_a : e_a + self.geo.G * self.geo.C], self.sel[r[2][1] : r[2][2]], vals, mode="clip")
+            return
         for part, s, e in self._pieces(r):
             v, tag = (vals if scalar else vals[s:e]), part[2]
             if tag in ("head", "tail"):
@@ -217,7 +226,7 @@ class GridPicks(Picks):
                 a[lo:hi] = v
                 continue
             rows, sel = self._body_rows(a, tag[1], tag[2])
-            if B == 1 and not scalar and v.dtype == a.dtype and _arr.namespace(a) is np:
+            if B == 1 and not scalar and v.dtype == a.dtype and self.xp is np:
                 np.put(rows.reshape(-1), sel, v, mode="clip")
             else:
                 rows[sel] = v if scalar else v.reshape(-1, B)
@@ -234,8 +243,9 @@ class GridPicks(Picks):
             return out
         g0, g1 = tag[1], tag[2]
         C = geo.C
-        windows = _windows(xp, table, C)
-        coef = windows.take(self.h[g0:g1], axis=0)  # (groups, C): row g is table[h_g : h_g + C]
+        if self._windows is None or self._windows[0] is not table:
+            self._windows = (table, xp.ascontiguousarray(_windows(xp, table, C)))
+        coef = self._windows[1].take(self.h[g0:g1], axis=0)  # (groups, C): row g is table[h_g : h_g + C]
         if geo.B == 1:
             xp.multiply(coef.reshape(-1), u, out=out)
         else:
@@ -253,6 +263,10 @@ class GridPicks(Picks):
         if self.tail[1] > self.tail[0]:
             parts.append(xp.arange(self.tail[0], self.tail[1], dtype=np.int64))
         return xp.concatenate(parts) if parts else xp.zeros(0, np.int64)
+
+
+def _rot_dtype(C):
+    return np.uint8 if C <= 256 else (np.uint16 if C <= 65536 else np.int64)
 
 
 def _windows(xp, table, C):
@@ -290,8 +304,8 @@ class _Geometry:
         return self.qs + (self.o + e) // self.B - self.r0
 
     def rot(self, g):
-        """h(g) for one group (host)."""
-        return _mix((self.key + g + _G1) & _M64) % self.C
+        """h(g) for one group (host): the top 32 bits of the mixed group id, scaled to [0, C)."""
+        return ((_mix((self.key + g + _G1) & _M64) >> 32) * self.C) >> 32
 
     def picked(self, rng, j):
         """The sub-range of ``rng`` (within one group) whose unit is in chunk j."""
@@ -316,7 +330,8 @@ class _Geometry:
         return c if xp is np else xp.asarray(c)
 
     def body_rotations(self, xp):
-        """h(g) of every body group, computed on the device (one vectorised hash)."""
+        """h(g) of every body group, computed on the device (one vectorised hash, no division),
+        in the smallest unsigned dtype that holds C values."""
         z = xp.arange(self.g_a, self.g_a + self.G, dtype=np.uint64)
         z += np.uint64((self.key + _G1) & _M64)
         z ^= z >> np.uint64(30)
@@ -324,8 +339,10 @@ class _Geometry:
         z ^= z >> np.uint64(27)
         z *= np.uint64(_G3)
         z ^= z >> np.uint64(31)
-        z %= np.uint64(self.C)
-        return z.astype(np.int64)
+        z >>= np.uint64(32)
+        z *= np.uint64(self.C)
+        z >>= np.uint64(32)
+        return z.astype(_rot_dtype(self.C))
 
 
 # ---------------------------------------------------------------------------- selection
@@ -459,12 +476,22 @@ class CyclicMask(_Mask):
     def chunk(self, step):
         return (int(step) - 1) % self.num_chunks
 
-    def picks(self, t, i, xp=np):
-        """M_t within tensor ``i`` (a :class:`GridPicks`, or everything for a dense tensor)."""
+    def picks(self, t, i, xp=np, rotations=None):
+        """M_t within tensor ``i`` (a :class:`GridPicks`, or everything for a dense tensor).
+        ``rotations``: :meth:`rotations` of the tensor, if the caller kept them (they do not
+        depend on t)."""
         geo = self._geo.get(i)
         if geo is None or self.num_chunks == 1:
             return Picks(self.layout.sizes[i])
-        return GridPicks(geo, self.chunk(t), geo.body_rotations(xp), xp)
+        return GridPicks(geo, self.chunk(t), geo.body_rotations(xp) if rotations is None else rotations, xp)
+
+    def rotations(self, i, xp=np):
+        """The rotation h(g) of each body group of tensor ``i`` (one small unsigned int per group
+        of C units: at k = 0.1, a tenth of a byte per element), or None for a dense tensor."""
+        geo = self._geo.get(i)
+        if geo is None or self.num_chunks == 1:
+            return None
+        return geo.body_rotations(xp)
 
     def count(self, t, i):
         geo = self._geo.get(i)
