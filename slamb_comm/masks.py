@@ -36,7 +36,7 @@ _M64 = (1 << 64) - 1
 _G1, _G2, _G3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 #: elements per range of the CPU's blocked loops (a few such ranges fit in L2)
-BLOCK = 1 << 16
+BLOCK = 1 << 18
 
 
 def check_block(block):
@@ -138,16 +138,25 @@ class GridPicks(Picks):
         self.n, self.geo, self.j, self.xp = geo.n, geo, j, xp
         C, B = geo.C, geo.B
         self.h = h_body  # per body group: its rotation h(g) (small unsigned ints, on the device)
-        # the selected unit of each body group, as an index among the body's units:
-        # g C + (j - h(g)) mod C, the modulo by a table lookup
+        # the unit group g selects is (j - h(g)) mod C: a lookup in this table of C offsets
         lut = np.array([(j - c) % C for c in range(C)], np.int64)
-        self.sel = xp.arange(0, geo.G * C, C, dtype=np.int64)
-        self.sel += xp.take(lut if xp is np else xp.asarray(lut), h_body)
+        self._lut = lut if xp is np else xp.asarray(lut)
+        self._sel = None  # (g0, g1, the selected units of groups g0..g1 among the body's units)
         self.head = geo.picked(geo.head, j)
         self.tail = geo.picked(geo.tail, j)
         self.nh = self.head[1] - self.head[0]
         self.count = self.nh + geo.G * B + (self.tail[1] - self.tail[0])
         self._windows = None
+
+    def sel(self, g0, g1):
+        """The selected unit of each body group g0..g1, as an index among the body's units
+        (``g C + (j - h(g)) mod C``); built per range when needed, the last one kept."""
+        if self._sel is None or self._sel[0] != g0 or self._sel[1] != g1:
+            xp, C = self.xp, self.geo.C
+            idx = xp.arange(g0 * C, g1 * C, C, dtype=np.int64)
+            idx += xp.take(self._lut, self.h[g0:g1])
+            self._sel = (g0, g1, idx)
+        return self._sel[2]
 
     def ranges(self, limit=None):
         g = self.geo
@@ -190,13 +199,13 @@ class GridPicks(Picks):
         """The body of 1-D ``a`` as rows of one unit (B elements), and the selected rows of groups g0..g1."""
         geo = self.geo
         body = a[geo.e_a : geo.e_a + geo.G * geo.C * geo.B]
-        return body.reshape(geo.G * geo.C, geo.B), self.sel[g0:g1]
+        return body.reshape(geo.G * geo.C, geo.B), self.sel(g0, g1)
 
     def take(self, a, r, out):
         B = self.geo.B
         if r is not None and type(r[2]) is tuple and B == 1 and out.dtype == a.dtype and self.xp is np:
             e_a = self.geo.e_a  # the CPU's hot path: one body range, single elements
-            np.take(a[e_a : e_a + self.geo.G * self.geo.C], self.sel[r[2][1] : r[2][2]], out=out, mode="clip")
+            np.take(a[e_a : e_a + self.geo.G * self.geo.C], self.sel(r[2][1], r[2][2]), out=out, mode="clip")
             return out
         for part, s, e in self._pieces(r):
             dst, tag = out[s:e], part[2]
@@ -217,7 +226,7 @@ class GridPicks(Picks):
         if (r is not None and type(r[2]) is tuple and B == 1 and not scalar and vals.dtype == a.dtype
                 and self.xp is np):
             e_a = self.geo.e_a
-            np.put(a[e_a : e_a + self.geo.G * self.geo.C], self.sel[r[2][1] : r[2][2]], vals, mode="clip")
+            np.put(a[e_a : e_a + self.geo.G * self.geo.C], self.sel(r[2][1], r[2][2]), vals, mode="clip")
             return
         for part, s, e in self._pieces(r):
             v, tag = (vals if scalar else vals[s:e]), part[2]
@@ -236,9 +245,9 @@ class GridPicks(Picks):
         the tensor's per-chunk coefficient table doubled (2C entries, an array on u's device);
         ``u`` and ``out`` are the range's 1-D arrays."""
         geo, xp = self.geo, self.xp
-        lo, hi, tag = r
-        if tag == "head" or tag == "tail":
-            c = geo.chunks(lo, hi, xp)
+        tag = r[2]
+        if type(tag) is not tuple:  # a head or a tail: a few units, chunk by chunk
+            c = geo.chunks(r[0], r[1], xp)
             xp.multiply(table.take(c), u, out=out)
             return out
         g0, g1 = tag[1], tag[2]
@@ -258,7 +267,7 @@ class GridPicks(Picks):
         if self.nh:
             parts.append(xp.arange(self.head[0], self.head[1], dtype=np.int64))
         if geo.G:
-            starts = self.sel * geo.B + geo.e_a
+            starts = self.sel(0, geo.G) * geo.B + geo.e_a
             parts.append((starts[:, None] + xp.arange(geo.B, dtype=np.int64)[None, :]).reshape(-1))
         if self.tail[1] > self.tail[0]:
             parts.append(xp.arange(self.tail[0], self.tail[1], dtype=np.int64))

@@ -1,0 +1,217 @@
+"""Optimizer step: SLAMB's time and peak memory next to torch.optim.AdamW on the same parameters.
+
+    python3 benchmarks/optimizer.py                              # 8 x Linear(1024, 1024), 8.4M: time and memory
+    python3 benchmarks/optimizer.py --width 2048 --what memory   # 8 x Linear(2048, 2048), 33.6M: memory
+    python3 benchmarks/optimizer.py --device cuda                # on a GPU: against AdamW(fused=True)
+
+Arms (each on the same parameters and gradients, one thread on the CPU):
+
+* ``adamw-foreach``: ``torch.optim.AdamW(foreach=True)`` (the baseline of the ratios);
+* ``adamw``: ``torch.optim.AdamW(foreach=False)``, torch's default on the CPU;
+* ``adamw-fused``: ``torch.optim.AdamW(fused=True)`` (the baseline on a GPU);
+* ``slamb-core``: :class:`slamb_comm.slamb.Slamb` on NumPy (CuPy on a GPU) views of the
+  same tensors, one process, cyclic mask, k = 0.1, float16 payload;
+* ``slamb-adapter``: ``slamb_comm.adapters.horovod.SLAMB`` (the torch optimizer), same options.
+
+**Time**: the arms step in turn, ``--reps`` times, and each arm's median is reported with its
+ratio to the baseline's median from the same interleaved run.
+
+**Memory**: each arm runs in a fresh subprocess that builds the model, its gradients and
+the libraries' warm state, then resets the kernel's peak-RSS mark (``/proc/self/clear_refs``),
+builds the optimizer and takes ``--steps`` steps; the peak RSS above the baseline, divided by
+the number of parameters, is the optimizer's peak memory per parameter: its state plus
+every temporary of a step. On a GPU: ``torch.cuda.max_memory_allocated`` above the baseline
+plus the CuPy pool's high-water mark.
+
+Writes ``--out`` (CSV) and prints a table.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ARMS_CPU = ["adamw-foreach", "adamw", "slamb-core", "slamb-adapter"]
+ARMS_GPU = ["adamw-fused", "adamw-foreach", "slamb-core", "slamb-adapter"]
+SLAMB_OPTS = dict(ratio=0.1, value_dtype="float32", beta3=0.9, sync_interval=100)
+
+
+def _threads_one():
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[k] = "1"
+
+
+def build_model(layers, width, device, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(layers):
+        w = torch.randn(width, width, generator=g) / width**0.5
+        b = torch.zeros(width)
+        for t in (w, b):
+            p = torch.nn.Parameter(t.to(device))
+            p.grad = (torch.randn(t.shape, generator=g) * 1e-2).to(device)
+            params.append(p)
+    return params
+
+
+def build_arm(arm, params):
+    """A zero-argument step function for ``arm`` over ``params``."""
+    import torch
+
+    if arm.startswith("adamw"):
+        kw = {"adamw-foreach": dict(foreach=True), "adamw": dict(foreach=False), "adamw-fused": dict(fused=True)}[arm]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)
+        return opt.step
+    if arm == "slamb-adapter":
+        from slamb_comm.adapters.horovod import SLAMB
+
+        opt = SLAMB(params, lr=1e-3, weight_decay=0.01, **SLAMB_OPTS)
+        return opt.step
+    if arm == "slamb-core":
+        import slamb_comm as sc
+        from slamb_comm.slamb import Slamb
+
+        x = [sc.arrays.as_array(p.detach()) for p in params]
+        g = [sc.arrays.as_array(p.grad) for p in params]
+        comm = sc.Communicator(None, x, ratio=SLAMB_OPTS["ratio"], value_dtype=SLAMB_OPTS["value_dtype"], seed=1)
+        rule = Slamb(comm, lr=1e-3, weight_decay=0.01, beta3=SLAMB_OPTS["beta3"],
+                     sync_interval=SLAMB_OPTS["sync_interval"])
+        return lambda: rule.step(x, g)
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def _sync(device):
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_arms(arms, layers, width, reps, device):
+    """Interleaved step times (ms) of every arm on one shared set of parameters."""
+    params = build_model(layers, width, device)
+    steps = {a: build_arm(a, params) for a in arms}
+    for a in arms:  # warm-up: state allocated, caches filled
+        for _ in range(2):
+            steps[a]()
+    _sync(device)
+    times = {a: [] for a in arms}
+    for _ in range(reps):
+        for a in arms:
+            t0 = time.perf_counter()
+            steps[a]()
+            _sync(device)
+            times[a].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _rss_kb(field):
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+
+def memory_of(arm, layers, width, steps, device):
+    """Peak bytes above the baseline while ``arm`` is built and takes ``steps`` steps (run in
+    a fresh process by :func:`main`)."""
+    import torch
+
+    params = build_model(layers, width, device)
+    n = sum(p.numel() for p in params)
+    # Warm every library code path on a tiny model first: torch's first optimizer imports
+    # ~50 MB of modules, a fixed cost that is not the optimizer's memory per parameter.
+    tiny = build_model(1, 8, device, seed=1)
+    for a in (ARMS_GPU if device == "cuda" else ARMS_CPU):
+        step = build_arm(a, tiny)
+        step()
+        step()
+    del tiny, step
+    if device == "cuda":
+        import cupy
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+        step = build_arm(arm, params)
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base + pool.total_bytes()
+    else:
+        base = _rss_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # the peak-RSS mark restarts from here
+        step = build_arm(arm, params)
+        for _ in range(steps):
+            step()
+        peak = (_rss_kb("VmHWM") - base) * 1024
+    return {"arm": arm, "params": n, "peak_bytes": peak, "bytes_per_param": peak / n}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--what", choices=["time", "memory", "both"], default="both")
+    ap.add_argument("--reps", type=int, default=20, help="interleaved timed steps per arm")
+    ap.add_argument("--steps", type=int, default=3, help="steps per arm in the memory runs")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--out", default=None, help="CSV file (default: print only)")
+    ap.add_argument("--_memory-of", dest="memory_of", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.device == "cpu":
+        _threads_one()
+    import torch
+
+    torch.set_num_threads(1) if args.device == "cpu" else None
+    if args.memory_of:
+        print(json.dumps(memory_of(args.memory_of, args.layers, args.width, args.steps, args.device)))
+        return
+    arms = args.arms.split(",") if args.arms else (ARMS_GPU if args.device == "cuda" else ARMS_CPU)
+    base_arm = "adamw-fused" if args.device == "cuda" else "adamw-foreach"
+    rows = []
+    if args.what in ("memory", "both"):
+        mem = {}
+        for arm in arms:
+            cmd = [sys.executable, os.path.abspath(__file__), "--_memory-of", arm, "--layers", str(args.layers),
+                   "--width", str(args.width), "--steps", str(args.steps), "--device", args.device]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            mem[arm] = json.loads(out)
+        for arm in arms:
+            r = mem[arm]
+            rows.append({"kind": "memory", "arm": arm, "device": args.device, "params": r["params"],
+                         "value": r["bytes_per_param"], "unit": "bytes/param",
+                         "ratio": r["bytes_per_param"] / mem[base_arm]["bytes_per_param"] if base_arm in mem else ""})
+            if "adamw" in mem:
+                rows[-1]["ratio_to_adamw_default"] = r["bytes_per_param"] / mem["adamw"]["bytes_per_param"]
+    if args.what in ("time", "both"):
+        times = time_arms(arms, args.layers, args.width, args.reps, args.device)
+        import statistics
+
+        med = {a: statistics.median(v) for a, v in times.items()}
+        n = args.layers * (args.width * args.width + args.width)
+        for arm in arms:
+            rows.append({"kind": "time", "arm": arm, "device": args.device, "params": n, "value": med[arm],
+                         "unit": "ms/step", "ratio": med[arm] / med[base_arm] if base_arm in med else "",
+                         "spread": f"{min(times[arm]):.1f}-{max(times[arm]):.1f}"})
+    print(f"{'kind':7s} {'arm':14s} {'params':>10s} {'value':>9s} {'unit':12s} ratio to {base_arm}")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] != "" else ""
+        print(f"{r['kind']:7s} {r['arm']:14s} {r['params']:10d} {r['value']:9.2f} {r['unit']:12s} {ratio}")
+    if args.out:
+        from csvout import write_rows
+
+        write_rows(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
