@@ -180,6 +180,21 @@ def _as_compute(t, dtype):
     return t.contiguous()
 
 
+def _cuda_scope(device):
+    """For tensors on a CUDA ``device``: CuPy's current device is that device and its current
+    stream is torch's current stream there, so what the core queues is ordered with torch's own
+    work (before: the gradients; after: whatever reads the parameters) without a host
+    synchronisation. A no-op context for CPU tensors."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()))
+    stack.enter_context(cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream))
+    return stack
+
+
 def _array(t):
     """A NumPy/CuPy view of a contiguous tensor."""
     return _arr.as_array(t)
@@ -535,7 +550,8 @@ class SLAMB(torch.optim.Optimizer):
             step = steps.pop()
             comm_state["seed"] = int(raw[have[0]].get("mask_seed", comm_state["seed"]))
         e.rule.load_state_dict({"step": step, "m": None, "v": None, "f": None, "comm": comm_state})
-        e.rule.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
+        with _cuda_scope(e.params[0].device):
+            e.rule.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
         stored = not e.rule.derived
         for p, (o, n), shape in zip(have, [lay.segments()[e.index[p]] for p in have],
                                     [lay.shapes[e.index[p]] for p in have]):
@@ -630,7 +646,8 @@ class SLAMB(torch.optim.Optimizer):
             self._pull(e)
             lr, wd = self._lr_wd(e)
             x = _Params(e)
-            e.rule.step(x, _Grads(e), lr=lr, weight_decay=wd, written=x.written)
+            with _cuda_scope(e.params[0].device):
+                e.rule.step(x, _Grads(e), lr=lr, weight_decay=wd, written=x.written)
             self._publish(e)
         return loss
 
@@ -827,7 +844,8 @@ class _DistributedSlamb(torch.optim.Optimizer):
             self._consumed[p] = None if p.grad is None else (id(p.grad), p.grad._version)
         if e.counts is None:  # topk mask: pick now, exchange fused after every gradient is in
             if not changed:
-                e.rule.accumulate(i, g)
+                with _cuda_scope(p.device):
+                    e.rule.accumulate(i, g)
             e.launched[p] = None
             return
         buf = torch.empty(e.counts[i] + 1, dtype=_torch_dtype(e.wire), device=p.device)
@@ -837,7 +855,8 @@ class _DistributedSlamb(torch.optim.Optimizer):
         if changed:
             buf.zero_()[-1] = math.nan
         else:
-            bad = e.rule.accumulate(i, g, out=_array(buf)[:-1])  # this rank's new momentum on M_t
+            with _cuda_scope(p.device):
+                bad = e.rule.accumulate(i, g, out=_array(buf)[:-1])  # this rank's new momentum on M_t
             if isinstance(bad, (bool, np.bool_)):
                 buf[-1] = math.inf if bad else 0.0
             else:
@@ -874,10 +893,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             if e.open and e.counts is None:  # topk mask: the core's fused exchange, after all moments
                 try:
-                    if self._layout_problem is not None:  # input the core rejects, collectively
-                        e.comm.masked_allreduce([], e.rule.t + 1)
-                    else:
-                        e.rule.exchange(_Grads(e))
+                    with _cuda_scope(e.params[0].device):
+                        if self._layout_problem is not None:  # input the core rejects, collectively
+                            e.comm.masked_allreduce([], e.rule.t + 1)
+                        else:
+                            e.rule.exchange(_Grads(e))
                 except NonFiniteError as err:  # raised on every rank; the core abandoned the step
                     e.open = False
                     failed.append((e, err))
@@ -1014,7 +1034,8 @@ class _DistributedSlamb(torch.optim.Optimizer):
             lr, wd = self._lr_wd(e)
             e.open = False
             x = _Params(e)
-            e.rule.apply(x, _Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written)
+            with _cuda_scope(e.params[0].device):
+                e.rule.apply(x, _Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written)
             e.means = None
             self._publish(e)
         self._consumed = {}
@@ -1120,7 +1141,8 @@ class _DistributedTopK(torch.optim.Optimizer):
                         p.grad = torch.zeros_like(p)
                     grads.append(_array(_as_compute(p.grad, dt)))
                 # A later bucket may still fail: commit the error buffers only once all succeeded.
-                means.append((comm, grads, comm.sparse_allgather(grads, commit=False)))
+                with _cuda_scope(ps[0].device):
+                    means.append((comm, grads, comm.sparse_allgather(grads, commit=False)))
         except Exception as err:  # raised on every rank, at the same bucket: start afresh
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
@@ -1131,8 +1153,9 @@ class _DistributedTopK(torch.optim.Optimizer):
                 self._skip_nonfinite(err)
                 return
             raise
-        for comm, _, _ in means:
-            comm.commit_residual()  # from the local gradients, still in p.grad
+        for (_, ps, _, _), (comm, _, _) in zip(self._topk, means):
+            with _cuda_scope(ps[0].device):
+                comm.commit_residual()  # from the local gradients, still in p.grad
         for (_, ps, _, comm), (_, _, mean) in zip(self._topk, means):
             for p, m in zip(ps, mean):
                 out = _tensor_of(m)

@@ -105,7 +105,7 @@ class IndexPicks(Picks):
         self._cuts = None
 
     def _cut(self, r):
-        if r is None:
+        if r is None or (r[0] == 0 and r[1] >= self.n):
             return 0, self.count
         if self._cuts is None or self._cuts[0] != r:  # NumPy only: blocked loops are a CPU thing
             a, b = np.searchsorted(self.pos, (r[0], r[1]))

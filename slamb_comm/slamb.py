@@ -424,6 +424,11 @@ class Slamb:
         t = self._open()
         lay, comm = self.layout, self.comm
         xp = self._xp or np
+        with _arr.device_scope(self.m if self.m is not None else np.zeros(0)):
+            self._exchange(t, xp, grads)
+
+    def _exchange(self, t, xp, grads):
+        lay, comm = self.layout, self.comm
         try:
             if comm.mask.kind == "topk":
                 sel = comm.mask.union(xp, self._local, comm.transport)

@@ -27,7 +27,7 @@ import numpy as np
 from .arrays import is_cupy, synchronize
 from .errors import DTypeError
 
-__all__ = ["Transport", "MPITransport", "NCCLTransport", "LocalTransport"]
+__all__ = ["Transport", "MPITransport", "NCCLTransport", "LocalTransport", "mpi_cuda_support"]
 
 _SUPPORTED = ("float16", "float32", "float64", "int32", "int64", "uint8")
 
@@ -81,11 +81,15 @@ class LocalTransport:
 
 _F16_SUM = None
 _HOOKED = False
+_ON_ABORT = []  # callables run before MPI_Abort (e.g. an NCCL communicator's abort)
 
 
-def _install_abort_hook(MPI):
-    """Make an uncaught exception on one rank abort the whole MPI job (once per process)."""
+def _install_abort_hook(MPI, on_abort=None):
+    """Make an uncaught exception on one rank abort the whole MPI job (once per process); the
+    ``on_abort`` callables run first."""
     global _HOOKED
+    if on_abort is not None:
+        _ON_ABORT.append(on_abort)
     if _HOOKED:
         return
     _HOOKED = True
@@ -100,10 +104,43 @@ def _install_abort_hook(MPI):
                 f"slamb_comm: uncaught {kind.__name__} on rank {rank}; aborting all ranks (MPI_Abort)\n"
             )
             sys.stderr.flush()
+            for fn in _ON_ABORT:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 -- aborting anyway
+                    pass
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = _abort
 
+
+def mpi_cuda_support():
+    """Whether the loaded MPI library accepts CUDA device memory, as the library itself says:
+    Open MPI's ``MPIX_Query_cuda_support()`` or MPICH's ``MPIX_GPU_query_support(CUDA)``,
+    called through ctypes on the libmpi this process has loaded (mpi4py has no query for it).
+    False when no library answers, or off Linux."""
+    import ctypes
+
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return False
+    libs = sorted({ln.split()[-1] for ln in maps if "libmpi" in ln and ln.split()[-1].startswith("/")})
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        fn = getattr(lib, "MPIX_Query_cuda_support", None)
+        if fn is not None:
+            fn.restype, fn.argtypes = ctypes.c_int, []
+            return bool(fn())
+        fn = getattr(lib, "MPIX_GPU_query_support", None)
+        if fn is not None:
+            out = ctypes.c_int(0)
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            return fn(0, ctypes.byref(out)) == 0 and bool(out.value)  # 0: MPIX_GPU_SUPPORT_CUDA
+    return False
 
 
 def _f16_sum_op(MPI):
@@ -125,9 +162,11 @@ class MPITransport:
     Args:
         comm: an ``mpi4py.MPI.Comm`` (default ``MPI.COMM_WORLD``). It is duplicated, so
             slamb_comm's messages never mix with the caller's.
-        cuda_aware: whether the MPI library accepts device pointers. ``None`` asks MPI
-            (``MPI.Query_cuda_support`` where mpi4py has it) and otherwise assumes not.
-            When false, CuPy buffers are staged through host memory (correct, slower).
+        cuda_aware: whether the MPI library accepts device pointers. ``None`` asks the MPI
+            library (:func:`mpi_cuda_support`: Open MPI's ``MPIX_Query_cuda_support``, MPICH's
+            ``MPIX_GPU_query_support``). When false, CuPy buffers are staged through host
+            memory (correct, slower). float16 CuPy buffers are always summed through host
+            memory: MPI has no float16 sum, and the Python sum op can only read host memory.
         abort_on_exception: if true (default), an exception that nobody catches on this
             rank prints its traceback with the rank and calls ``MPI_Abort``, so the other
             ranks end at once instead of waiting forever in their next collective (what
@@ -135,7 +174,8 @@ class MPITransport:
 
     float16 sums use a user-defined MPI op (MPI has no float16 type); everything else
     uses ``MPI.SUM``. CuPy buffers: the current stream is synchronised before MPI reads
-    a buffer, because MPI does not know CUDA streams.
+    a buffer (one host synchronisation per collective), because MPI does not know CUDA
+    streams; staging through host memory synchronises too.
     """
 
     name = "mpi"
@@ -147,10 +187,7 @@ class MPITransport:
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        if cuda_aware is None:
-            query = getattr(MPI, "Query_cuda_support", None)
-            cuda_aware = bool(query()) if query is not None else False
-        self.cuda_aware = bool(cuda_aware)
+        self.cuda_aware = mpi_cuda_support() if cuda_aware is None else bool(cuda_aware)
         if abort_on_exception:
             _install_abort_hook(MPI)
 
@@ -161,7 +198,7 @@ class MPITransport:
 
     def allreduce(self, buf):
         check_buffer(buf)
-        if is_cupy(buf) and not self.cuda_aware:
+        if is_cupy(buf) and (not self.cuda_aware or buf.dtype == np.float16):
             host = buf.get()
             self.allreduce(host)
             buf.set(host)
@@ -208,15 +245,21 @@ class NCCLTransport:
         mpi_comm: an mpi4py communicator used once, to broadcast NCCL's unique id
             (default ``MPI.COMM_WORLD``). Each rank must have selected its device
             (``cupy.cuda.Device(i).use()``) before constructing this.
-        stream: a ``cupy.cuda.Stream`` to run on; default: the current stream at each call.
+        stream: a ``cupy.cuda.Stream`` to run NCCL on; default: the current stream at each
+            call. With a stream of its own, each collective waits (on the device, through an
+            event) for the work already queued on the current stream, and the current stream
+            waits for the collective: results are ordered with the caller's work either way.
+        abort_on_exception: if true (default), an exception that nobody catches on this rank
+            aborts this NCCL communicator and then the MPI job (as :class:`MPITransport`
+            does), so that no other rank is left waiting inside an NCCL kernel.
 
-    Calls are asynchronous on the stream, like NCCL itself: results are ready for
-    later work on the same stream, and the host must synchronise before reading them.
+    Calls are asynchronous, like NCCL itself: results are ready for later work on the
+    current stream, and the host must synchronise before reading them.
     """
 
     name = "nccl"
 
-    def __init__(self, mpi_comm=None, stream=None):
+    def __init__(self, mpi_comm=None, stream=None, abort_on_exception=True):
         import cupy
         from cupy.cuda import nccl
         from mpi4py import MPI
@@ -239,9 +282,23 @@ class NCCLTransport:
             "int64": nccl.NCCL_INT64,
             "uint8": nccl.NCCL_UINT8,
         }
+        if abort_on_exception:
+            _install_abort_hook(MPI, on_abort=self.comm.abort)
 
-    def _stream(self):
-        return (self.stream or self._cp.cuda.get_current_stream()).ptr
+    def _enqueue(self, call):
+        """Run ``call(stream_ptr)`` on NCCL's stream, ordered with the current stream."""
+        cur = self._cp.cuda.get_current_stream()
+        s = self.stream
+        if s is None or s.ptr == cur.ptr:
+            call(cur.ptr)
+            return
+        ready = self._cp.cuda.Event()
+        ready.record(cur)  # what the caller queued (e.g. filling the buffer) ...
+        s.wait_event(ready)  # ... comes before the collective
+        call(s.ptr)
+        done = self._cp.cuda.Event()
+        done.record(s)
+        cur.wait_event(done)  # and whatever the caller queues next comes after it
 
     def _check(self, buf):
         check_buffer(buf)
@@ -250,13 +307,10 @@ class NCCLTransport:
 
     def _upload(self, host):
         check_buffer(host)
-        dev = self._cp.asarray(host)
-        self._cp.cuda.get_current_stream().synchronize()  # the copy is done before NCCL's stream reads it
-        return dev
+        return self._cp.asarray(host)  # queued on the current stream, which the collective waits for
 
     def _download(self, dev, host):
-        (self.stream or self._cp.cuda.get_current_stream()).synchronize()  # NCCL's result is complete
-        host[...] = dev.get()
+        host[...] = dev.get()  # on the current stream, which waits for NCCL's
 
     def allreduce(self, buf):
         if isinstance(buf, np.ndarray):
@@ -266,7 +320,7 @@ class NCCLTransport:
             return
         self._check(buf)
         t = self._types[buf.dtype.name]
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, t, self._nccl.NCCL_SUM, self._stream())
+        self._enqueue(lambda s: self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, t, self._nccl.NCCL_SUM, s))
 
     def allgather(self, sendbuf, recvbuf):
         if isinstance(sendbuf, np.ndarray) and isinstance(recvbuf, np.ndarray):
@@ -280,7 +334,7 @@ class NCCLTransport:
         if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
             raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
         t = self._types[sendbuf.dtype.name]
-        self.comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, t, self._stream())
+        self._enqueue(lambda s: self.comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, t, s))
 
     def broadcast(self, buf, root=0):
         if isinstance(buf, np.ndarray):
@@ -290,7 +344,7 @@ class NCCLTransport:
             return
         self._check(buf)
         t = self._types[buf.dtype.name]
-        self.comm.bcast(buf.data.ptr, buf.size, t, root, self._stream())
+        self._enqueue(lambda s: self.comm.bcast(buf.data.ptr, buf.size, t, root, s))
 
     def barrier(self):
         self._cp.cuda.get_current_stream().synchronize()

@@ -23,14 +23,19 @@ inside) but behave like CuPy's where a mistake would hide on the CPU:
   stream and event operation is logged in :data:`cuda_log` (stream orderings can be
   asserted, not observed).
 
+* **Devices**: two fake devices; arrays remember where they were made, and an operation on an
+  array of another device than the current one raises (CuPy allocates on, and launches on,
+  the *current* device).
+
 What it cannot catch: real concurrency and stream races (everything here runs in order on
 the host); device numerics (CUDA's own rounding of sqrt and division, fused multiply-add,
-reduction order in CUB); memory placement across several GPUs (there is one fake device);
+reduction order in CUB); peer access and real transfers between devices;
 CUDA-aware MPI on real device pointers; out-of-memory on a 141 GB device; performance.
 Those need the real GPU run (``tests/test_gpu.py``; set ``SLAMB_COMM_REAL_CUPY=1`` to run
 the strict-double tests against real CuPy there).
 """
 
+import builtins
 import ctypes
 import sys
 import types
@@ -49,7 +54,7 @@ def reset_syncs():
 
 
 def total_syncs():
-    return sum(syncs.values())
+    return builtins.sum(syncs.values())
 
 
 class MisalignedAddressError(RuntimeError):
@@ -62,6 +67,7 @@ def _sync(kind):
 
 def _unwrap(x, where="argument"):
     if isinstance(x, ndarray):
+        x._on_current_device()
         return x._a
     if isinstance(x, np.ndarray):
         raise TypeError(f"Unsupported type {type(x)} as {where}: pass a device array (cupy.asarray) instead")
@@ -110,10 +116,20 @@ class ndarray:
     __array_ufunc__ = None  # NumPy's ufuncs and binary operators defer to (and refuse) us
     __array_priority__ = 100
 
-    def __init__(self, a):
+    def __init__(self, a, device=None):
         if not isinstance(a, np.ndarray):
             raise TypeError("strict_cupy.ndarray wraps a numpy array")
         self._a = a
+        self._dev = Device.current if device is None else device
+
+    def _on_current_device(self):
+        """CuPy runs a kernel on the current device and refuses arrays that live elsewhere."""
+        if self._dev != Device.current:
+            raise ValueError(f"The device where the array resides ({self._dev}) is different from the current "
+                             f"device ({Device.current}). Peer access has been activated.")
+
+    def _same(self, a):
+        return ndarray(a, self._dev)
 
     # ---------------------------------------------------------------- attributes
     shape = property(lambda self: self._a.shape)
@@ -125,11 +141,11 @@ class ndarray:
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: _Flags(self._a))
     data = property(lambda self: _Pointer(self._a.ctypes.data))
-    T = property(lambda self: ndarray(self._a.T))
+    T = property(lambda self: self._same(self._a.T))
 
     @property
     def device(self):
-        return Device(0)
+        return Device(self._dev)
 
     @property
     def __cuda_array_interface__(self):
@@ -170,7 +186,7 @@ class ndarray:
         return self._a.tolist()
 
     def get(self, stream=None, order="C", out=None):
-        _sync("get")
+        _sync("get")  # (CuPy copies from the array's own device, whatever is current)
         return self._a.copy()
 
     def set(self, arr, stream=None):
@@ -190,23 +206,27 @@ class ndarray:
         if dt.itemsize > self._a.itemsize and self._a.ctypes.data % dt.itemsize:
             raise MisalignedAddressError(
                 f"view as {dt.name} at address {self._a.ctypes.data:#x}, not a multiple of {dt.itemsize}")
-        return ndarray(self._a.view(dt))
+        return self._same(self._a.view(dt))
 
     def reshape(self, *shape, **kw):
-        return ndarray(self._a.reshape(*shape, **kw))
+        return self._same(self._a.reshape(*shape, **kw))
 
     def ravel(self):
-        return ndarray(self._a.ravel())
+        self._on_current_device()
+        return self._same(self._a.ravel())
 
     def copy(self, order="C"):
-        return ndarray(self._a.copy(order))
+        self._on_current_device()
+        return self._same(self._a.copy(order))
 
     def astype(self, dtype, copy=True, **kw):
         if not copy and np.dtype(dtype) == self._a.dtype:
             return self
-        return ndarray(self._a.astype(dtype))
+        self._on_current_device()
+        return self._same(self._a.astype(dtype))
 
     def fill(self, v):
+        self._on_current_device()
         self._a.fill(v)
 
     def take(self, indices, axis=None, out=None):
@@ -214,10 +234,15 @@ class ndarray:
 
     def __getitem__(self, key):
         key = _key(key)
-        return _wrap(self._a[key])
+        r = self._a[key]
+        if isinstance(r, np.ndarray) and np.shares_memory(r, self._a):
+            return self._same(r)  # a view: no kernel
+        self._on_current_device()
+        return _wrap(r)
 
     def __setitem__(self, key, value):
         key = _key(key)
+        self._on_current_device()
         self._a[key] = _unwrap(value, "value")
 
     # ---------------------------------------------------------------- reductions (0-d results)
@@ -241,21 +266,21 @@ class ndarray:
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
-            return _wrap(op(self._a, _unwrap(other)))
+            return _wrap(op(_unwrap(self), _unwrap(other)))
         return f
 
     def _rbin(op):
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
-            return _wrap(op(_unwrap(other), self._a))
+            return _wrap(op(_unwrap(other), _unwrap(self)))
         return f
 
     def _ibin(op):
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
-            op(self._a, _unwrap(other), out=self._a, casting="same_kind")
+            op(_unwrap(self), _unwrap(other), out=self._a, casting="same_kind")
             return self
         return f
 
@@ -279,13 +304,13 @@ class ndarray:
     del _op, _bin, _rbin, _ibin
 
     def __neg__(self):
-        return ndarray(-self._a)
+        return _wrap(-_unwrap(self))
 
     def __abs__(self):
-        return ndarray(np.abs(self._a))
+        return _wrap(np.abs(_unwrap(self)))
 
     def __invert__(self):
-        return ndarray(~self._a)
+        return _wrap(~_unwrap(self))
 
     def __dlpack_device__(self):
         return (2, 0)  # kDLCUDA
@@ -417,7 +442,7 @@ lib.stride_tricks = types.ModuleType("cupy.lib.stride_tricks")
 
 
 def _as_strided(x, shape=None, strides=None):
-    return ndarray(np.lib.stride_tricks.as_strided(x._a, shape=shape, strides=strides))
+    return x._same(np.lib.stride_tricks.as_strided(x._a, shape=shape, strides=strides))
 
 
 lib.stride_tricks.as_strided = _as_strided
@@ -425,7 +450,9 @@ lib.stride_tricks.as_strided = _as_strided
 
 # ---------------------------------------------------------------------------- cuda: devices, streams, events
 class Device:
-    """The one fake device; a context manager like ``cupy.cuda.Device``."""
+    """A fake device (there are two, 0 and 1); a context manager like ``cupy.cuda.Device``.
+    Arrays remember the device that was current when they were made, and every operation on
+    an array of another device than the current one raises, as in CuPy."""
 
     current = 0
 
@@ -511,7 +538,7 @@ def get_current_stream():
 cuda = types.ModuleType("cupy.cuda")
 cuda.Device, cuda.Event, cuda.Stream, cuda.ExternalStream = Device, Event, Stream, ExternalStream
 cuda.get_current_stream = get_current_stream
-cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: Device.current)
+cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 2, getDevice=lambda: Device.current)
 
 
 # ---------------------------------------------------------------------------- a fake NCCL over MPI

@@ -86,3 +86,40 @@ def test_failing_rank_under_horovodrun(tmp_path, mode):
     assert "Process name: [[" in out and ",1]" in out, out[-3000:]  # mpirun names rank 1
     if mode == "raise":
         assert "failing on purpose" in out
+
+
+NCCL_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import numpy as np, strict_cupy
+strict_cupy.install()  # the CuPy double: its NCCL runs over MPI, and blocks like NCCL would
+import cupy
+import slamb_comm as sc
+from slamb_comm.slamb import Slamb
+transport = sc.NCCLTransport()
+x = [cupy.ones((100, 100), np.float32)]
+comm = sc.Communicator(transport, x, ratio=0.1)
+opt = Slamb(comm, lr=0.01)
+for t in range(1, 10000):
+    if t == 3 and comm.rank == 1:
+        raise RuntimeError("failing on purpose")
+    opt.step(x, [cupy.ones((100, 100), np.float32)])
+"""
+
+
+def test_failing_rank_with_nccl_ends_the_job(tmp_path):
+    """With NCCLTransport alone (no MPITransport in the job), an uncaught exception on one rank
+    used to leave the others inside an NCCL collective forever; now it aborts NCCL, then MPI."""
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "train.py"
+    script.write_text(NCCL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "2", "90", sys.executable, str(script)],
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
+    )
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137), out[-3000:]  # failed, and not by the outer timeout
+    assert elapsed < 60, f"the other rank took {elapsed:.0f} s to end"
+    assert "uncaught RuntimeError on rank 1" in out, out[-3000:]

@@ -1,0 +1,367 @@
+"""The core's CuPy branches on the CPU, through the strict CuPy double (tests/strict_cupy.py),
+each compared with the NumPy branch; the GPU defects found that way; host synchronisations
+per step, counted.
+
+``strict_cupy``'s docstring says what the double catches (implicit host conversion, NumPy
+operands, misaligned typed views, arrays on another device than the current one, host reads)
+and what it cannot (streams and races, device numerics, real transfers). With
+``SLAMB_COMM_REAL_CUPY=1`` on a GPU machine the comparisons run against real CuPy instead;
+the tests that count host reads or need two devices skip there.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import slamb_comm as sc
+import strict_cupy
+from slamb_comm.codecs import TopKWire, topk_indices, topk_indices_reference
+from slamb_comm.slamb import Slamb
+
+REAL = os.environ.get("SLAMB_COMM_REAL_CUPY") == "1"
+
+
+@pytest.fixture
+def cp():
+    if REAL:
+        return pytest.importorskip("cupy")
+    with strict_cupy.install() as mod:
+        strict_cupy.Device.current = 0
+        yield mod
+
+
+@pytest.fixture
+def strict(cp):
+    """The double only: host reads are counted and devices checked."""
+    if REAL:
+        pytest.skip("counts host reads and fakes a second device: the strict double only")
+    strict_cupy.reset_syncs()
+    return cp
+
+
+SHAPES = [(100, 120), (50,), (3, 3), (100, 120)]  # two compressible tensors, two always dense
+
+
+def arrays(xp, seed, shapes=SHAPES, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [xp.asarray(rng.standard_normal(s).astype(dtype)) for s in shapes]
+
+
+def host(a):
+    if isinstance(a, (list, tuple)):
+        return np.concatenate([np.array(sc.arrays.to_host(x)).ravel() for x in a])
+    return np.array(sc.arrays.to_host(a))
+
+
+def fused(xp, arrs):
+    return xp.concatenate([a.reshape(-1) for a in arrs])
+
+
+# ----------------------------------------------------------------------------- the double itself
+def test_the_double_is_strict(strict):
+    cp = strict
+    a = cp.arange(12, dtype=np.float32)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(a)
+    with pytest.raises(TypeError):
+        a + np.ones(12, np.float32)  # a host array as an operand
+    with pytest.raises(TypeError):
+        a[np.array([1, 2])]  # a host array as an index
+    with pytest.raises(TypeError):
+        np.isfinite(a)  # a NumPy ufunc on a device array
+    with pytest.raises(strict_cupy.MisalignedAddressError):
+        cp.zeros(16, np.uint8)[2:10].view(np.int32)
+    with cp.cuda.Device(1):
+        b = cp.zeros(3)
+    with pytest.raises(ValueError, match="different from the current device"):
+        b + 1
+    strict_cupy.reset_syncs()
+    float(a.sum())
+    bool(a.max() > 3)
+    a.get()
+    assert strict_cupy.total_syncs() == 3
+
+
+# ----------------------------------------------------------------------------- numpy path == cupy path
+def run_exchanges(xp, mask, vdt, form, block=1):
+    """Every exchange, three steps, on ``xp`` arrays; host copies of everything they produced."""
+    comm = sc.Communicator(None, arrays(xp, 0), ratio=0.1, mask=mask, value_dtype=vdt, seed=31,
+                           dense_threshold=100, block=block, bucket_bytes=40_000)
+    out = []
+    for step in range(1, 4):
+        x = arrays(xp, 100 + step)
+        arg = x if form == "list" else fused(xp, x)
+        _, idx = comm.masked_allreduce(arg, step)
+        out += [host(arg), host(idx)]
+        g = arrays(xp, 200 + step)
+        res = comm.sparse_allgather(g if form == "list" else fused(xp, g))
+        out += [host(res), host(comm.residual).copy()]
+        s = arrays(xp, 300 + step)
+        arg = s if form == "list" else fused(xp, s)
+        comm.sync(arg)
+        out.append(host(arg))
+    return out, comm.stats.total.payload_bytes
+
+
+@pytest.mark.parametrize("form", ["list", "fused"])
+@pytest.mark.parametrize("vdt", ["float32", "float16"])
+@pytest.mark.parametrize("mask,block", [("cyclic", 1), ("cyclic", 64), ("bernoulli", 1), ("topk", 1)])
+def test_exchanges_equal_on_both_paths(cp, mask, block, vdt, form):
+    a, pa = run_exchanges(np, mask, vdt, form, block)
+    b, pb = run_exchanges(cp, mask, vdt, form, block)
+    assert pa == pb
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def run_slamb(xp, mask, vdt, block=1, steps=6, shapes=SHAPES):
+    x = arrays(xp, 0, shapes)
+    comm = sc.Communicator(None, x, ratio=0.1, mask=mask, value_dtype=vdt, seed=5, dense_threshold=100,
+                           block=block)
+    opt = Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
+    for t in range(1, steps + 1):
+        opt.step(x, arrays(xp, 50 + t, shapes))
+    return host(x), opt
+
+
+@pytest.mark.parametrize("vdt", ["float32", "float16"])
+@pytest.mark.parametrize("mask,block", [("cyclic", 1), ("cyclic", 64), ("bernoulli", 1), ("topk", 1)])
+def test_slamb_equal_on_both_paths(cp, mask, block, vdt):
+    a, oa = run_slamb(np, mask, vdt, block)
+    b, ob = run_slamb(cp, mask, vdt, block)
+    # the norms are summed in another order on the device (float64 there, BLAS blocks here)
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(host(ob.m), host(oa.m), rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(host(ob.v), host(oa.v))
+    np.testing.assert_array_equal(ob.freshness(), oa.freshness())
+    assert isinstance(ob.m, cp.ndarray) and isinstance(ob.v, cp.ndarray)
+
+
+@pytest.mark.parametrize("n,k", [(5, 2), (20000, 1), (20000, 2000), (70000, 700), (70000, 69999)])
+def test_topk_on_the_device_is_the_reference(cp, n, k):
+    rng = np.random.default_rng(n + k)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[::7] = x[3]  # ties: the lower index wins
+    got = host(topk_indices(cp.asarray(x), k))
+    np.testing.assert_array_equal(got, topk_indices_reference(x, k))
+    np.testing.assert_array_equal(got, topk_indices(x, k))
+
+
+def test_masks_derive_the_same_positions_on_the_device(cp):
+    lay = sc.Layout([(100, 120), (7,), (50, 300), (3, 3), (200, 91)])
+    for mask in (sc.CyclicMask(lay, 0.1, 3), sc.CyclicMask(lay, 0.3, 3, block=64), sc.BernoulliMask(lay, 0.1, 3)):
+        for t in (1, 2, 7):
+            np.testing.assert_array_equal(host(mask.select(t, cp).index), mask.select(t).index)
+
+
+# ----------------------------------------------------------------------------- the defects
+def test_defect1_topk_payload_of_every_rank_is_aligned(strict):
+    """A float16 payload with an odd K used to end 2 bytes past a multiple of 4: rank 1's
+    payload in an allgather buffer then started misaligned for its int32 indices, and a GPU
+    faults on that read (cudaErrorMisalignedAddress)."""
+    cp = strict
+    w = TopKWire(sc.Layout([(10, 1223)]), 0.1, "float16")
+    assert w.k_total % 2 == 1 and w.nbytes % 8 == 0
+    recv = w.empty(cp, ranks=3)
+    for r in range(3):
+        status, idx, val = w.parts(recv[r * w.nbytes : (r + 1) * w.nbytes])  # raises if misaligned
+        assert idx.size == val.size == w.k_total
+
+
+def test_defect2_an_empty_mask_is_fine_on_the_device(cp):
+    """One 100 x 100 tensor, runs of 256, k = 0.02: 40 runs for 50 chunks, so 10 steps of
+    every cycle have an empty M_t; CuPy's bincount raised on an empty input."""
+    shapes = [(100, 100)]
+    comm = sc.Communicator(None, arrays(np, 0, shapes), ratio=0.02, block=256, seed=3)
+    empty = [t for t in range(1, 51) if comm.mask.count(t, 0) == 0]
+    assert len(empty) == 10
+    a, _ = run_slamb(np, "cyclic", "float32", block=256, steps=50, shapes=shapes)
+    b, _ = run_slamb(cp, "cyclic", "float32", block=256, steps=50, shapes=shapes)
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_defect6_state_is_made_on_the_arrays_device(strict):
+    """CuPy allocates on its *current* device: state for arrays on device 1 must be made there,
+    whatever device is current when the step runs."""
+    cp = strict
+    with cp.cuda.Device(1):
+        x = arrays(cp, 0)
+        g = arrays(cp, 1)
+    comm = sc.Communicator(None, x, ratio=0.1, seed=2, dense_threshold=100)
+    opt = Slamb(comm, lr=0.01)
+    assert strict_cupy.Device.current == 0
+    opt.step(x, g)  # the double raises on any kernel with a device-1 array while device 0 is current
+    comm.sparse_allgather(g)
+    comm.sync(x)
+    assert opt.m.device.id == 1 and opt.v.device.id == 1 and comm.residual.device.id == 1
+
+
+@pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
+def test_defect8_a_restored_gpu_run_stays_on_the_gpu_and_resumes_exactly(cp, mask):
+    def make():
+        x = arrays(cp, 0)
+        comm = sc.Communicator(None, x, ratio=0.1, mask=mask, seed=4, dense_threshold=100)
+        return x, comm, Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
+
+    x1, c1, o1 = make()
+    for t in range(1, 6):
+        o1.step(x1, arrays(cp, 10 + t))
+        c1.sparse_allgather(arrays(cp, 20 + t))
+    x2, c2, o2 = make()
+    for t in range(1, 4):
+        o2.step(x2, arrays(cp, 10 + t))
+        c2.sparse_allgather(arrays(cp, 20 + t))
+    saved, saved_x, saved_c = o2.state_dict(), [a.copy() for a in x2], c2.state_dict()
+    x3, c3, o3 = make()
+    for a, b in zip(x3, saved_x):
+        a[...] = b
+    o3.load_state_dict(saved)  # no "xp": the state follows the arrays of the next step
+    c3.load_state_dict(saved_c)
+    for t in range(4, 6):
+        o3.step(x3, arrays(cp, 10 + t))
+        c3.sparse_allgather(arrays(cp, 20 + t))
+    assert isinstance(o3.m, cp.ndarray) and isinstance(c3.residual, cp.ndarray)
+    np.testing.assert_array_equal(host(x3), host(x1))
+    np.testing.assert_array_equal(host(o3.m), host(o1.m))
+    np.testing.assert_array_equal(host(c3.residual), host(c1.residual))
+
+
+def test_defect8_bfloat16_device_tensor_is_a_dtype_error(cp):
+    """CuPy's DLPack import of a bfloat16 tensor raised an error the communicator did not
+    catch (a BufferError), so the other ranks would have waited; now a DTypeError, which the
+    collective handling turns into DTypeError here and PeerError elsewhere."""
+
+    class FakeCudaBf16:
+        dtype = "torch.bfloat16"
+        shape = (100, 120)
+
+        def __dlpack__(self, stream=None):
+            raise BufferError("unsupported dtype")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(sc.DTypeError, match="bfloat16"):
+        sc.arrays.as_array(FakeCudaBf16())
+    comm = sc.Communicator(None, arrays(cp, 0), ratio=0.1)
+    bad = arrays(cp, 1)
+    bad[0] = FakeCudaBf16()
+    with pytest.raises(sc.DTypeError):
+        comm.masked_allreduce(bad, 1)
+
+
+def test_defect3_nccl_on_its_own_stream_is_ordered_with_the_current_stream(strict):
+    cp = strict
+    pytest.importorskip("mpi4py")
+    s = cp.cuda.Stream()
+    t = sc.NCCLTransport(stream=s, abort_on_exception=False)
+    buf = cp.ones(8, np.float32)
+    strict_cupy.cuda_log.clear()
+    t.allreduce(buf)
+    log = [e for e in strict_cupy.cuda_log if e[0] != "device"]
+    cur = cp.cuda.get_current_stream().ptr
+    (rec1, ev1, on1), (wait1, s1, ev1b), (call, sc_), (rec2, ev2, on2), (wait2, s2, ev2b) = log
+    assert (rec1, on1) == ("record", cur) and (wait1, s1, ev1b) == ("wait", s.ptr, ev1)  # s waits for the filler
+    assert (call, sc_) == ("nccl.allReduce", s.ptr)
+    assert (rec2, on2) == ("record", s.ptr) and (wait2, s2, ev2b) == ("wait", cur, ev2)  # the reader waits for s
+    assert strict_cupy.total_syncs() == 0  # ordered on the device, not by the host
+    np.testing.assert_array_equal(host(buf), np.ones(8))  # one rank: the sum is the value
+
+
+def test_defect5_cuda_awareness_is_asked_of_the_mpi_library(strict, monkeypatch):
+    cp = strict
+    mpi4py = pytest.importorskip("mpi4py")
+    import ctypes
+
+    from slamb_comm.transports import mpi_cuda_support
+
+    assert isinstance(mpi_cuda_support(), bool)
+    assert sc.MPITransport().cuda_aware == mpi_cuda_support()  # here: Open MPI without CUDA, False
+
+    class CudaAwareLib:  # what a CUDA-built Open MPI answers
+        def __init__(self, path):
+            self.path = path
+            self.MPIX_Query_cuda_support = lambda: 1
+
+    monkeypatch.setattr(ctypes, "CDLL", CudaAwareLib)
+    assert mpi_cuda_support() is True and sc.MPITransport().cuda_aware is True
+    monkeypatch.undo()
+    # float16 device buffers are summed through host memory even on a CUDA-aware MPI: the sum op
+    # is Python code that reads host memory
+    t = sc.MPITransport(cuda_aware=True)
+    seen = []
+
+    class Spy:  # mpi4py's methods are read-only: wrap the communicator
+        def __init__(self, comm):
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def Allreduce(self, send, recv, op=None):
+            seen.append(type(recv[0] if isinstance(recv, list) else recv))
+            return self.comm.Allreduce(send, recv, op=op)
+
+    t.comm = Spy(t.comm)
+    buf = cp.ones(5, np.float16)
+    t.allreduce(buf)
+    assert seen and all(c is np.ndarray for c in seen)
+    assert mpi4py is not None
+
+
+# ----------------------------------------------------------------------------- host synchronisations
+def _count(fn):
+    strict_cupy.reset_syncs()
+    fn()
+    return strict_cupy.total_syncs()
+
+
+@pytest.mark.parametrize("tensors", [1, 100])
+@pytest.mark.parametrize("mask", ["cyclic", "bernoulli", "topk"])
+def test_slamb_step_reads_the_host_at_most_twice_whatever_the_tensor_count(strict, mask, tensors):
+    cp = strict
+    shapes = [(64, 160)] * tensors
+    x = arrays(cp, 0, shapes)
+    comm = sc.Communicator(None, x, ratio=0.1, mask=mask, seed=1, dense_threshold=100)
+    opt = Slamb(comm, lr=0.01, weight_decay=0.01)
+    counts = [_count(lambda t=t: opt.step(x, arrays(cp, 10 + t, shapes))) for t in range(1, 4)]
+    # one read: the exchange's status word; the topk mask reads its union's sizes once more
+    assert counts == [1 if mask != "topk" else 2] * 3, (counts, dict(strict_cupy.syncs))
+
+
+@pytest.mark.parametrize("tensors", [1, 100])
+def test_sparse_allgather_and_masked_allreduce_read_the_host_once(strict, tensors):
+    cp = strict
+    shapes = [(64, 160)] * tensors
+    comm = sc.Communicator(None, arrays(cp, 0, shapes), ratio=0.1, value_dtype="float16", seed=1)
+    assert [_count(lambda: comm.sparse_allgather(arrays(cp, t, shapes))) for t in range(3)] == [1, 1, 1]
+    assert _count(lambda: comm.masked_allreduce(arrays(cp, 5, shapes), 2)) == 1
+    assert _count(lambda: comm.sync(arrays(cp, 6, shapes))) == 1
+
+
+def test_defect6_adapter_runs_the_core_on_the_tensors_device_and_torchs_stream(strict, monkeypatch):
+    """Writes into torch memory must be ordered with torch's current stream on the tensor's
+    device: the adapter makes that stream CuPy's current stream (no host synchronisation)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("horovod.torch")
+    import types
+
+    import slamb_comm.adapters.horovod as sh
+
+    asked = []
+
+    def current_stream(device=None):
+        asked.append(device)
+        return types.SimpleNamespace(cuda_stream=0x5000)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    dev = types.SimpleNamespace(type="cuda", index=1)
+    with sh._cuda_scope(dev):
+        assert strict.cuda.get_current_stream().ptr == 0x5000
+        assert strict_cupy.Device.current == 1
+    assert asked == [dev]
+    assert strict.cuda.get_current_stream().ptr == 0 and strict_cupy.Device.current == 0
+    with sh._cuda_scope(torch.device("cpu")):  # CPU tensors: nothing to do
+        assert strict.cuda.get_current_stream().ptr == 0
+    assert strict_cupy.total_syncs() == 0
