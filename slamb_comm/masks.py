@@ -331,6 +331,13 @@ class _Geometry:
         h, t = self.picked(self.head, j), self.picked(self.tail, j)
         return (h[1] - h[0]) + self.G * self.B + (t[1] - t[0])
 
+    def all_chunks(self):
+        """The chunk of every element of the tensor (a host int array; O(n): for inspection)."""
+        q = (np.arange(self.n, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
+        g = q // self.C
+        h = self.rotations(int(g[0]), int(g[-1]) + 1, np).astype(np.int64) if self.n else np.zeros(0, np.int64)
+        return (q % self.C + h[g - g[0]]) % self.C if self.n else q
+
     def chunks(self, lo, hi, xp):
         """Chunk of every element of ``[lo, hi)`` inside a head or a tail (one group)."""
         g = self.unit(lo) // self.C
@@ -341,7 +348,11 @@ class _Geometry:
     def body_rotations(self, xp):
         """h(g) of every body group, computed on the device (one vectorised hash, no division),
         in the smallest unsigned dtype that holds C values."""
-        z = xp.arange(self.g_a, self.g_a + self.G, dtype=np.uint64)
+        return self.rotations(self.g_a, self.g_a + self.G, xp)
+
+    def rotations(self, g0, g1, xp):
+        """h(g) for the groups g0 <= g < g1 (what :meth:`rot` gives one at a time)."""
+        z = xp.arange(g0, g1, dtype=np.uint64)
         z += np.uint64((self.key + _G1) & _M64)
         z ^= z >> np.uint64(30)
         z *= np.uint64(_G2)

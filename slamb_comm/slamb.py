@@ -225,13 +225,8 @@ class Slamb:
             if geo is None or self.t == 0 or mask.num_chunks == 1:
                 parts.append(np.ones(n, lay.dtype))
                 continue
-            stale = np.asarray(mask.staleness(self.t))
-            F = self.beta3 ** stale.astype(np.float64)
-            q = (np.arange(n, dtype=np.int64) + geo.o) // geo.B + (geo.qs - geo.r0)
-            groups = np.unique(q // geo.C)
-            rot = dict(zip(groups.tolist(), [geo.rot(int(g)) for g in groups]))
-            h = np.array([rot[int(g)] for g in (q // geo.C)], np.int64)
-            parts.append(F[(q % geo.C + h) % geo.C].astype(lay.dtype))
+            F = self.beta3 ** np.asarray(mask.staleness(self.t), np.float64)
+            parts.append(F[geo.all_chunks()].astype(lay.dtype))
         if i is not None:
             return parts[0].reshape(lay.shapes[i])
         return np.concatenate(parts) if parts else np.zeros(0, lay.dtype)
