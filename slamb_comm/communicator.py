@@ -470,7 +470,7 @@ class Communicator:
         self._residual_on_host = False
         return self.residual
 
-    def sync(self, x, written=None):
+    def sync(self, x, written=None, finite=None):
         """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
 
         Used for SLAMB's periodic parameter sync and as the dense baseline. The arrays go
@@ -479,7 +479,9 @@ class Communicator:
         two). The first bucket carries the status word and is checked with one host read
         before anything is written: a rank with bad input or non-finite ``x`` makes every
         rank raise, with nothing changed. ``written(i)``, if given, is called once tensor i
-        has been written (for lazily converted inputs; see :meth:`_take`).
+        has been written (for lazily converted inputs; see :meth:`_take`). ``finite``: the
+        caller's word that ``x`` is finite on this rank (a bool, or a 0-d device array), which
+        saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
         """
         t0 = time.perf_counter()
         xp, views, problem = self._take_or_problem(x)
@@ -488,7 +490,9 @@ class Communicator:
         comm_s = 0.0
         with _arr.device_scope(views[0] if views else np.zeros(0)):
             bad = False
-            if views is not None:  # this rank's parameters must be finite before they are averaged
+            if finite is not None:
+                bad = (not bool(finite)) if isinstance(finite, (bool, np.bool_)) else ~finite
+            elif views is not None:  # this rank's parameters must be finite before they are averaged
                 for i in range(len(lay)):
                     v = views[i]
                     if v.size:

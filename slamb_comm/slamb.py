@@ -489,6 +489,8 @@ class Slamb:
         if self.derived:
             F = [self.beta3 ** s for s in comm.mask.staleness(t)]
         xp = None
+        sync = (t - 1) % self.sync_interval == 0 and P > 1
+        finite = True  # of the updated parameters, checked in the update's own pass on sync steps
         for i in range(len(lay)):
             n = lay.sizes[i]
             if n == 0:
@@ -503,7 +505,9 @@ class Slamb:
                 raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
                                   f"expected {n} {lay.dtype.name}")
             with _arr.device_scope(xi):
-                self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F)
+                fin = self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F, sync)
+            if sync:
+                finite = (finite and bool(fin)) if xp is np else (finite & fin)
             if written is not None:
                 written(i)
         # Commit the step count before the sync, which may raise (then on every rank alike).
@@ -513,17 +517,18 @@ class Slamb:
         self._picks = {}
         self._rot = {}
         self._local = {}
-        if (t - 1) % self.sync_interval == 0 and P > 1:
-            comm.sync(x, written=written)
+        if sync:
+            comm.sync(x, written=written, finite=finite)
         return x
 
-    def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F):
+    def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F, check=False):
         """Commit tensor i's moments and update its parameters, in two blocked passes.
 
         The direction is kept as ``w = m / (sqrt(v) + eps sqrt(1-b2^t)) + (wd / s) x`` with
         ``u = s w`` and ``s = sqrt(1-b2^t) / (1-b1^t)``: the same u as the formula (exact
         algebra, two fewer passes); s enters the trust ratios' norms and the update's
-        coefficients instead."""
+        coefficients instead. With ``check``, returns whether the updated tensor is finite
+        (its squared norm, from the update's pass)."""
         lay = self.layout
         o, n = lay.offsets[i], lay.sizes[i]
         dtype = lay.dtype
@@ -582,38 +587,40 @@ class Slamb:
         phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
         # Pass 2: x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
         P = self.comm.size
-        if everything:
-            coef = _scalar(xp, lr * s_u * phi_s, dtype)
-            for lo, hi, _ in ranges:
-                tmp = tmp_all[: hi - lo]
-                mul(w[lo:hi], coef, out=tmp)
-                x[lo:hi] -= tmp
-            return
         rate_s, rate_a = lr * s_u * phi_s, lr * s_u / math.sqrt(P) * phi_a
-        if f is None:  # derived freshness: a table of C coefficients, one per chunk
+        if everything:
+            coef = _scalar(xp, rate_s, dtype)
+        elif f is None:  # derived freshness: a table of C coefficients, one per chunk
             if xp is np:
                 table = np.array([rate_s * q + rate_a * (1.0 - q) for q in F], dtype)
             else:
                 Fd = xp.asarray(np.asarray(F, np.float64))
                 table = (rate_s * Fd + rate_a * (1.0 - Fd)).astype(dtype)
             table = xp.concatenate((table, table))
-            for r in ranges:
-                lo, hi = r[0], r[1]
-                tmp = tmp_all[: hi - lo]
-                picks.scale(table, r, w[lo:hi], tmp)
-                x[lo:hi] -= tmp
-            return
-        cs, ca = _scalar(xp, rate_s, dtype), _scalar(xp, rate_a, dtype)
-        for lo, hi, _ in ranges:
-            fb = f[lo:hi]
+        else:
+            cs, ca = _scalar(xp, rate_s, dtype), _scalar(xp, rate_a, dtype)
+        finite = True
+        for r in ranges:
+            lo, hi = r[0], r[1]
             tmp = tmp_all[: hi - lo]
-            tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
-            mul(fb, cs, out=tmp)
-            xp.subtract(dt(1), fb, out=tmp2)
-            tmp2 *= ca
-            tmp += tmp2
-            tmp *= w[lo:hi]
-            x[lo:hi] -= tmp
+            if everything:
+                mul(w[lo:hi], coef, out=tmp)
+            elif f is None:
+                picks.scale(table, r, w[lo:hi], tmp)
+            else:
+                fb = f[lo:hi]
+                tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
+                mul(fb, cs, out=tmp)
+                xp.subtract(dt(1), fb, out=tmp2)
+                tmp2 *= ca
+                tmp += tmp2
+                tmp *= w[lo:hi]
+            xb = x[lo:hi]
+            xb -= tmp
+            if check:
+                sq = _sumsq(xp, xb)
+                finite = (finite and math.isfinite(sq)) if xp is np else (finite & xp.isfinite(sq))
+        return finite
 
     def _ratios(self, xp, sums):
         """``(phi_S, phi_A)`` from the four squared norms: host floats on the CPU, 0-d arrays

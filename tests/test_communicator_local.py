@@ -520,3 +520,31 @@ def test_state_dict_round_trip_resumes_exactly():
         assert np.array_equal(ia, ib)
     with pytest.raises(sc.LayoutMismatchError):
         comm_for(ratio=0.2).load_state_dict(state)
+
+
+def test_sync_of_a_lazy_sequence_holds_one_bucket_of_copies():
+    """The torch adapters hand 16-bit parameters as a lazily converted sequence: the bucketed
+    sync reads a tensor when its bucket is filled and releases it (``written``) once written,
+    so only a bucket's worth of converted copies is alive at a time."""
+
+    class Lazy:
+        def __init__(self, arrays):
+            self.arrays, self.alive, self.most = arrays, set(), 0
+
+        def __len__(self):
+            return len(self.arrays)
+
+        def __getitem__(self, i):
+            self.alive.add(i)
+            self.most = max(self.most, len(self.alive))
+            return self.arrays[i]
+
+        def written(self, i):
+            self.alive.discard(i)
+
+    arrs = [np.full(1000, float(i), np.float32) for i in range(10)]
+    comm = sc.Communicator(None, arrs, ratio=0.1, bucket_bytes=8000)  # 2,000 elements per bucket
+    lazy = Lazy(arrs)
+    comm.sync(lazy, written=lazy.written, finite=True)
+    assert lazy.most <= 3 and not lazy.alive
+    assert comm.stats.last.calls == 1 and [float(a[0]) for a in arrs] == list(range(10))
