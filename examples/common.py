@@ -135,6 +135,8 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
                     help="payload dtype of the sparse exchange")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mask-seed", type=int, default=None,
+                    help="SLAMB: the mask's seed alone (default: --seed), to vary the mask with the rest fixed")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--csv", default=None, help="write one row per evaluation (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -159,7 +161,7 @@ def build_optimizer(args, model):
         opt = shvd.DistributedOptimizer(
             shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3,
                        sync_interval=args.sync_interval, mask=args.mask, block=args.block,
-                       value_dtype=args.value_dtype, seed=args.seed),
+                       value_dtype=args.value_dtype, seed=args.seed if args.mask_seed is None else args.mask_seed),
             named_parameters=named)
         return opt, opt.step_traffic
     if args.optimizer == "topk-adam":

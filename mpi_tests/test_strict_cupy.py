@@ -171,20 +171,10 @@ def test_bfloat16_on_one_rank_raises_on_every_rank(cp, kind):
     if P == 1:
         pytest.skip("needs two ranks")
 
-    class FakeCudaBf16:
-        dtype = "torch.bfloat16"
-        shape = (60, 200)
-
-        def __dlpack__(self, stream=None):
-            raise BufferError("unsupported dtype")
-
-        def __dlpack_device__(self):
-            return (2, 0)
-
     comm = sc.Communicator(transport(kind), rank_arrays(cp, ME, 0), ratio=0.1, seed=1)
     x = rank_arrays(cp, ME, 1)
     if ME == P - 1:
-        x[0] = FakeCudaBf16()
+        x[0] = strict_cupy.Bfloat16CudaTensor((60, 200))
         with pytest.raises(sc.DTypeError, match="bfloat16"):
             comm.masked_allreduce(x, 1)
     else:

@@ -336,21 +336,38 @@ class TopKWire:
         _, idx, val = self.parts(out)
         xp = _arr.namespace(out)
         pos = [self.encode_one(i, xi, idx, val) + o
-               for i, (xi, o) in enumerate(zip(_per_tensor(self.layout, x), self.layout.offsets))]
+               for i, (xi, o) in enumerate(zip(per_tensor(self.layout, x), self.layout.offsets))]
         return xp.concatenate(pos) if pos else xp.zeros(0, np.int64)
 
     def decode_add(self, buf, out):
         """Add one rank's payload into ``out`` (a fused buffer, or a list of per-tensor arrays);
         the indices are unique within a rank's tensor, so a plain indexed add is exact."""
         _, idx, val = self.parts(buf)
-        for i, seg in enumerate(_per_tensor(self.layout, out)):
+        for i, seg in enumerate(per_tensor(self.layout, out)):
             a, k = self.starts[i], self.counts[i]
             if k:
                 seg[idx[a : a + k]] += val[a : a + k].astype(seg.dtype, copy=False)
 
 
-def _per_tensor(layout, x):
-    """1-D per-tensor arrays of ``x``: views of a fused buffer, or flattened list items."""
+def per_tensor(layout, x):
+    """1-D per-tensor arrays of ``x``: views of a fused buffer, flattened items of a list or
+    tuple, or, for any other sequence, its items read lazily one by one (no validation)."""
     if isinstance(x, (list, tuple)):
-        return [a.reshape(-1) for a in x]
-    return layout.flat_views(x)
+        return [_arr.as_array(a).reshape(-1) for a in x]
+    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+        return layout.flat_views(_arr.as_array(x))
+    return LazyTensors(x)
+
+
+class LazyTensors:
+    """Per-tensor 1-D arrays of a sequence read lazily: item i is fetched when it is indexed
+    (the torch adapters convert 16-bit parameters one tensor at a time this way)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __len__(self):
+        return len(self.seq)
+
+    def __getitem__(self, i):
+        return _arr.as_array(self.seq[i]).reshape(-1)

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from .codecs import DATA_DTYPES, Layout, TopKWire, check_ratio, k_elems
+from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
 from .masks import check_block, make_mask
 from .errors import (
     ConfigError,
@@ -214,7 +214,7 @@ class Communicator:
         else:
             if len(x) != len(lay):
                 raise LayoutError(f"got {len(x)} arrays, the communicator was built for {len(lay)}")
-            views = _Lazy(x)
+            views = LazyTensors(x)
             xp = _arr.namespace(views[0]) if len(lay) else np
         if self.residual is not None and _arr.namespace(self.residual) is not xp and not self._residual_on_host:
             raise TypeError(f"the communicator's state lives in {_arr.namespace(self.residual).__name__}, "
@@ -570,16 +570,3 @@ class Communicator:
             raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({self.layout.total},)")
         self.residual = None if r is None else np.array(_arr.to_host(r), dtype=self.layout.dtype, copy=True)
         self._residual_on_host = r is not None
-
-
-class _Lazy:
-    """Per-tensor 1-D arrays of a lazily read sequence (see :meth:`Communicator._take`)."""
-
-    def __init__(self, seq):
-        self.seq = seq
-
-    def __len__(self):
-        return len(self.seq)
-
-    def __getitem__(self, i):
-        return _arr.as_array(self.seq[i]).reshape(-1)

@@ -56,6 +56,7 @@ import numpy as np
 
 from . import arrays as _arr
 from .errors import ConfigError, LayoutError, NonFiniteError
+from .codecs import per_tensor
 from .masks import BLOCK
 from .stats import Traffic, allreduce_wire
 
@@ -678,30 +679,14 @@ def _starts(counts):
 
 def _views(layout, x):
     """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, or a lazy sequence."""
-    if isinstance(x, (list, tuple)):
-        if len(x) != len(layout):
-            raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
-        return [_arr.as_array(a).reshape(-1) for a in x]
     if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
         flat = _arr.as_array(x)
         if flat.shape != (layout.total,) or flat.dtype != layout.dtype:
             raise LayoutError(f"expected a fused buffer of {layout.total} {layout.dtype.name}, "
                               f"got {flat.shape} {flat.dtype.name}")
-        return layout.flat_views(flat)
-    if len(x) != len(layout):
+    elif len(x) != len(layout):
         raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
-    return _LazyViews(x)
-
-
-class _LazyViews:
-    def __init__(self, seq):
-        self.seq = seq
-
-    def __len__(self):
-        return len(self.seq)
-
-    def __getitem__(self, i):
-        return _arr.as_array(self.seq[i]).reshape(-1)
+    return per_tensor(layout, x)
 
 
 def _sumsq(xp, a):

@@ -429,6 +429,22 @@ def from_dlpack(x):
     return ndarray(np.from_dlpack(x))
 
 
+class Bfloat16CudaTensor:
+    """Stands for a bfloat16 torch tensor on a GPU: DLPack says CUDA, and importing it fails as
+    CuPy's import does (a BufferError, not a TypeError)."""
+
+    dtype = "torch.bfloat16"
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def __dlpack__(self, stream=None):
+        raise BufferError("unsupported DLPack dtype (bfloat16)")
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
 def get_array_module(*args):
     return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
 

@@ -221,3 +221,29 @@ def test_cluster_runs_an_mpi_job_over_tcp():
     # every timed step's bytes went through the emulated links
     assert '"nic_tx_bytes_per_node_per_step": NaN' not in proc.stdout
     assert _ours(prefix) == []
+
+
+# ---------------------------------------------------------------------------- BERT-Large scale check (1 layer)
+@pytest.mark.skipif(not _have_horovod(), reason="horovod.torch is not installed")
+def test_scale_one_layer_two_steps_table_and_ratio():
+    out = mpirun(2, "benchmarks/scale.py", "--layers", "1", "--steps", "2", timeout=600)
+    assert "parameters: 45,428,736 in 23 tensors" in out  # embeddings + 1 encoder layer + pooler
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| step | param sync |"))
+    cols = [c.strip() for c in lines[head].strip("|").split("|")]
+    rows = {}
+    for line in lines[head + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(cols, cells))
+    assert set(rows) == {"1", "2"}
+    assert rows["1"]["param sync"] == "yes" and rows["2"]["param sync"] == "no"
+    # step 2: the fp16 masked momentum exchange only, ~0.05 of a dense fp32 allreduce
+    assert 0 < float(rows["2"]["payload / dense fp32"]) < 0.2
+    # step 1 carries the periodic parameter sync (a full fp32 allreduce) on top
+    assert float(rows["1"]["payload / dense fp32"]) > 1.0
+    assert rows["1"]["identical params on all ranks"] == "yes"
+    for r in rows.values():  # every byte handed to Horovod during a step is in opt.step_traffic()
+        assert r["bytes seen by Horovod MB"] == r["payload MB"]
+    assert "Steady state over one cycle of H = 100 steps" in out

@@ -232,21 +232,11 @@ def test_defect8_bfloat16_device_tensor_is_a_dtype_error(cp):
     catch (a BufferError), so the other ranks would have waited; now a DTypeError, which the
     collective handling turns into DTypeError here and PeerError elsewhere."""
 
-    class FakeCudaBf16:
-        dtype = "torch.bfloat16"
-        shape = (100, 120)
-
-        def __dlpack__(self, stream=None):
-            raise BufferError("unsupported dtype")
-
-        def __dlpack_device__(self):
-            return (2, 0)
-
     with pytest.raises(sc.DTypeError, match="bfloat16"):
-        sc.arrays.as_array(FakeCudaBf16())
+        sc.arrays.as_array(strict_cupy.Bfloat16CudaTensor((100, 120)))
     comm = sc.Communicator(None, arrays(cp, 0), ratio=0.1)
     bad = arrays(cp, 1)
-    bad[0] = FakeCudaBf16()
+    bad[0] = strict_cupy.Bfloat16CudaTensor((100, 120))
     with pytest.raises(sc.DTypeError):
         comm.masked_allreduce(bad, 1)
 
