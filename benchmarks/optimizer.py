@@ -10,17 +10,21 @@ Arms (each on the same parameters and gradients, one thread on the CPU):
 * ``adamw``: ``torch.optim.AdamW(foreach=False)``, torch's default on the CPU;
 * ``adamw-fused``: ``torch.optim.AdamW(fused=True)`` (the baseline on a GPU);
 * ``slamb-core``: :class:`slamb_comm.slamb.Slamb` on NumPy (CuPy on a GPU) views of the
-  same tensors, one process, cyclic mask, k = 0.1, float16 payload;
-* ``slamb-adapter``: ``slamb_comm.adapters.horovod.SLAMB`` (the torch optimizer), same options.
+  same tensors, one process, cyclic mask, k = 0.1, the default float32 payload;
+* ``slamb-adapter``: ``slamb_comm.adapters.horovod.SLAMB`` (the torch optimizer), same options;
+* ``slamb-core-fp16``: ``slamb-core`` with the float16 payload (on the CPU NumPy converts
+  float16 in software, about 3 ns per element each way, so this arm shows that cost).
 
-**Time**: the arms step in turn, ``--reps`` times, and each arm's median is reported with its
-ratio to the baseline's median from the same interleaved run.
+**Time**: the arms step in turn, ``--reps`` times; each arm's median step time is reported,
+and its ratio to the baseline: the median, over the repetitions, of the arm's time over the
+baseline's in the same repetition (with the 25th and 75th percentiles).
 
 **Memory**: each arm runs in a fresh subprocess that builds the model, its gradients and
 the libraries' warm state, then resets the kernel's peak-RSS mark (``/proc/self/clear_refs``),
 builds the optimizer and takes ``--steps`` steps; the peak RSS above the baseline, divided by
 the number of parameters, is the optimizer's peak memory per parameter: its state plus
-every temporary of a step. On a GPU: ``torch.cuda.max_memory_allocated`` above the baseline
+every temporary of a step. The subprocess runs with a fixed glibc mmap threshold (64 KiB), so
+that freed and reused heap memory cannot hide an allocation from the peak. On a GPU: ``torch.cuda.max_memory_allocated`` above the baseline
 plus the CuPy pool's high-water mark.
 
 Writes ``--out`` (CSV) and prints a table.
@@ -37,8 +41,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ARMS_CPU = ["adamw-foreach", "adamw", "slamb-core", "slamb-adapter"]
-ARMS_GPU = ["adamw-fused", "adamw-foreach", "slamb-core", "slamb-adapter"]
+ARMS_CPU = ["adamw-foreach", "adamw", "slamb-core", "slamb-adapter", "slamb-core-fp16"]
+ARMS_GPU = ["adamw-fused", "adamw-foreach", "slamb-core", "slamb-adapter", "slamb-core-fp16"]
 SLAMB_OPTS = dict(ratio=0.1, value_dtype="float32", beta3=0.9, sync_interval=100)
 
 
@@ -75,13 +79,14 @@ def build_arm(arm, params):
 
         opt = SLAMB(params, lr=1e-3, weight_decay=0.01, **SLAMB_OPTS)
         return opt.step
-    if arm == "slamb-core":
+    if arm in ("slamb-core", "slamb-core-fp16"):
         import slamb_comm as sc
         from slamb_comm.slamb import Slamb
 
         x = [sc.arrays.as_array(p.detach()) for p in params]
         g = [sc.arrays.as_array(p.grad) for p in params]
-        comm = sc.Communicator(None, x, ratio=SLAMB_OPTS["ratio"], value_dtype=SLAMB_OPTS["value_dtype"], seed=1)
+        vdt = "float16" if arm.endswith("fp16") else SLAMB_OPTS["value_dtype"]
+        comm = sc.Communicator(None, x, ratio=SLAMB_OPTS["ratio"], value_dtype=vdt, seed=1)
         rule = Slamb(comm, lr=1e-3, weight_decay=0.01, beta3=SLAMB_OPTS["beta3"],
                      sync_interval=SLAMB_OPTS["sync_interval"])
         return lambda: rule.step(x, g)
@@ -184,7 +189,12 @@ def main():
         for arm in arms:
             cmd = [sys.executable, os.path.abspath(__file__), "--_memory-of", arm, "--layers", str(args.layers),
                    "--width", str(args.width), "--steps", str(args.steps), "--device", args.device]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            # A fixed mmap threshold: every block of 64 KiB or more is mapped when allocated and
+            # unmapped when freed, so the peak RSS is the peak of live memory (glibc's default
+            # raises the threshold as blocks are freed and then serves new ones from freed heap
+            # memory that already counts as resident, which hides allocations from the peak).
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
             mem[arm] = json.loads(out)
         for arm in arms:
             r = mem[arm]
@@ -200,13 +210,20 @@ def main():
         med = {a: statistics.median(v) for a, v in times.items()}
         n = args.layers * (args.width * args.width + args.width)
         for arm in arms:
+            # the ratio: median over repetitions of this arm's time over the baseline's in the same
+            # repetition (a slow stretch of the machine hits both alike)
+            per_rep = sorted(a / b for a, b in zip(times[arm], times[base_arm])) if base_arm in times else []
+            q = (lambda f: per_rep[min(len(per_rep) - 1, int(f * len(per_rep)))]) if per_rep else None
             rows.append({"kind": "time", "arm": arm, "device": args.device, "params": n, "value": med[arm],
-                         "unit": "ms/step", "ratio": med[arm] / med[base_arm] if base_arm in med else "",
+                         "unit": "ms/step", "ratio": statistics.median(per_rep) if per_rep else "",
+                         "ratio_p25": q(0.25) if q else "", "ratio_p75": q(0.75) if q else "",
                          "spread": f"{min(times[arm]):.1f}-{max(times[arm]):.1f}"})
-    print(f"{'kind':7s} {'arm':14s} {'params':>10s} {'value':>9s} {'unit':12s} ratio to {base_arm}")
+    print(f"{'kind':7s} {'arm':16s} {'params':>10s} {'value':>9s} {'unit':12s} ratio to {base_arm}")
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] != "" else ""
-        print(f"{r['kind']:7s} {r['arm']:14s} {r['params']:10d} {r['value']:9.2f} {r['unit']:12s} {ratio}")
+        if r.get("ratio_p25", "") != "":
+            ratio += f"  [p25 {r['ratio_p25']:.2f}, p75 {r['ratio_p75']:.2f}]"
+        print(f"{r['kind']:7s} {r['arm']:16s} {r['params']:10d} {r['value']:9.2f} {r['unit']:12s} {ratio}")
     if args.out:
         from csvout import write_rows
 

@@ -214,8 +214,12 @@ class GridPicks(Picks):
                 dst[...] = a[lo:hi]
                 continue
             rows, sel = self._body_rows(a, tag[1], tag[2])
-            if B == 1 and dst.dtype == a.dtype and self.xp is np:
-                np.take(rows.reshape(-1), sel, out=dst, mode="clip")  # no bounds checks: the mask made sel
+            if dst.dtype == a.dtype and self.xp is np:  # no bounds checks: the mask made sel
+                if B == 1:
+                    np.take(rows.reshape(-1), sel, out=dst, mode="clip")
+                else:  # a run as one opaque item: NumPy copies it with one memcpy
+                    items = _items(rows)
+                    np.take(items, sel, out=dst.view(items.dtype), mode="clip")
             else:
                 dst.reshape(-1, B)[...] = rows[sel]
         return out
@@ -235,8 +239,12 @@ class GridPicks(Picks):
                 a[lo:hi] = v
                 continue
             rows, sel = self._body_rows(a, tag[1], tag[2])
-            if B == 1 and not scalar and v.dtype == a.dtype and self.xp is np:
-                np.put(rows.reshape(-1), sel, v, mode="clip")
+            if not scalar and v.dtype == a.dtype and self.xp is np:
+                if B == 1:
+                    np.put(rows.reshape(-1), sel, v, mode="clip")
+                else:
+                    items = _items(rows)
+                    np.put(items, sel, v.view(items.dtype), mode="clip")
             else:
                 rows[sel] = v if scalar else v.reshape(-1, B)
 
@@ -272,6 +280,11 @@ class GridPicks(Picks):
         if self.tail[1] > self.tail[0]:
             parts.append(xp.arange(self.tail[0], self.tail[1], dtype=np.int64))
         return xp.concatenate(parts) if parts else xp.zeros(0, np.int64)
+
+
+def _items(rows):
+    """The rows of a C-contiguous 2-D NumPy array as a 1-D array of opaque items, one per row."""
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
 
 
 def _rot_dtype(C):
