@@ -65,8 +65,11 @@ else
 fi
 
 step "slamb_comm (editable, extras test + horovod)"
-if "$PY" -c "import slamb_comm, slamb_comm.adapters" 2>/dev/null && \
-   [ "$("$PY" -c 'import slamb_comm,os;print(os.path.dirname(os.path.dirname(slamb_comm.__file__)))')" = "$HERE" ]; then
+# Asked from / so that this checkout's own folder cannot answer for the installed package, and
+# for both packages, so that an install of another checkout is replaced.
+installed_from() { (cd / && "$PY" -c 'import os, slamb_comm, slamb_comm.adapters as a
+print(os.path.dirname(os.path.dirname(slamb_comm.__file__)), os.path.dirname(os.path.dirname(a.__file__)))' 2>/dev/null); }
+if [ "$(installed_from)" = "$HERE $HERE" ]; then
   echo "[setup]   already installed from $HERE"
 else
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "${HERE}[test,horovod]"

@@ -247,3 +247,22 @@ def test_scale_one_layer_two_steps_table_and_ratio():
     for r in rows.values():  # every byte handed to Horovod during a step is in opt.step_traffic()
         assert r["bytes seen by Horovod MB"] == r["payload MB"]
     assert "Steady state over one cycle of H = 100 steps" in out
+
+
+# ---------------------------------------------------------------------------- optimizer benchmark
+def test_optimizer_benchmark_time_and_memory(tmp_path):
+    """benchmarks/optimizer.py on a tiny model: every arm is timed and measured in its own
+    process, and the CSV holds the ratios (no value is asserted: times belong to benchmarks)."""
+    arms = "adamw-foreach,adamw,slamb-core" + (",slamb-adapter" if _have_horovod() else "")
+    out_csv = tmp_path / "optimizer.csv"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optimizer.py"), "--layers", "2",
+                           "--width", "256", "--reps", "3", "--steps", "2", "--arms", arms, "--out", str(out_csv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out_csv)))
+    for kind in ("memory", "time"):
+        got = {r["arm"]: r for r in rows if r["kind"] == kind}
+        assert set(got) == set(arms.split(",")), (kind, got.keys())
+        assert float(got["adamw-foreach"]["ratio"]) == 1.0
+        assert all(float(r["value"]) > 0 for r in got.values())
+    assert all(r["params"] == str(2 * (256 * 256 + 256)) for r in rows)
