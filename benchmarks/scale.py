@@ -287,7 +287,7 @@ def main():
     rss_after_build = _status_kb("VmRSS") * 1024
     peak_build_opt = _status_kb("VmHWM") * 1024
 
-    steps, step_peaks = [], []
+    steps = []
     for s in range(1, args.steps + 1):
         t = s  # the optimizer's step count after this step (the state starts at step 0)
         sync = (t - 1) % H == 0 and size > 1

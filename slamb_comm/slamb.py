@@ -418,7 +418,6 @@ class Slamb:
         aborted and no state changes.
         """
         t = self._open()
-        lay, comm = self.layout, self.comm
         xp = self._xp or np
         with _arr.device_scope(self.m if self.m is not None else np.zeros(0)):
             self._exchange(t, xp, grads)
