@@ -7,7 +7,10 @@
 * ``nccl``: :class:`NCCLTransport` on the double's NCCL, which runs its collectives over MPI.
 
 Each is compared with the NumPy path, and SLAMB with the dense float64 reference of
-ALGORITHM.md section 1, at 1, 2 and 4 ranks; host reads per step are counted.
+ALGORITHM.md section 1, at 1, 2 and 4 ranks; host reads per step are counted. The transports'
+own defects (NCCL's stream ordering, asking MPI whether it is CUDA-aware) are tested here
+too: they initialise MPI, which must not happen in the single-process suite (an ``mpirun``
+started later from that process would fail).
 """
 
 import os
@@ -182,3 +185,61 @@ def test_bfloat16_on_one_rank_raises_on_every_rank(cp, kind):
             comm.masked_allreduce(x, 1)
         assert err.value.ranks == (P - 1,)
     comm.sync(rank_arrays(cp, ME, 2))  # and the next collective works
+
+
+# ----------------------------------------------------------------------------- transports (defects 3, 5)
+@pytest.mark.mpi
+def test_defect3_nccl_on_its_own_stream_is_ordered_with_the_current_stream(cp):
+    s = cp.cuda.Stream()
+    t = sc.NCCLTransport(stream=s, abort_on_exception=False)
+    buf = cp.ones(8, np.float32)
+    strict_cupy.cuda_log.clear()
+    strict_cupy.reset_syncs()
+    t.allreduce(buf)
+    log = [e for e in strict_cupy.cuda_log if e[0] != "device"]
+    cur = cp.cuda.get_current_stream().ptr
+    (rec1, ev1, on1), (wait1, s1, ev1b), (call, sc_), (rec2, ev2, on2), (wait2, s2, ev2b) = log
+    assert (rec1, on1) == ("record", cur) and (wait1, s1, ev1b) == ("wait", s.ptr, ev1)  # s waits for the filler
+    assert (call, sc_) == ("nccl.allReduce", s.ptr)
+    assert (rec2, on2) == ("record", s.ptr) and (wait2, s2, ev2b) == ("wait", cur, ev2)  # the reader waits for s
+    assert strict_cupy.total_syncs() == 0  # ordered on the device, not by the host
+    np.testing.assert_array_equal(host(buf), np.full(8, float(P)))
+
+
+@pytest.mark.mpi
+def test_defect5_cuda_awareness_is_asked_of_the_mpi_library(cp, monkeypatch):
+    import ctypes
+
+    from slamb_comm.transports import mpi_cuda_support
+
+    assert isinstance(mpi_cuda_support(), bool)
+    assert sc.MPITransport().cuda_aware == mpi_cuda_support()  # here: Open MPI without CUDA, False
+
+    class CudaAwareLib:  # what a CUDA-built Open MPI answers
+        def __init__(self, path):
+            self.path = path
+            self.MPIX_Query_cuda_support = lambda: 1
+
+    monkeypatch.setattr(ctypes, "CDLL", CudaAwareLib)
+    assert mpi_cuda_support() is True and sc.MPITransport().cuda_aware is True
+    monkeypatch.undo()
+    # float16 device buffers are summed through host memory even on a CUDA-aware MPI: the sum op
+    # is Python code that reads host memory
+    t = sc.MPITransport(cuda_aware=True)
+    seen = []
+
+    class Spy:  # mpi4py's methods are read-only: wrap the communicator
+        def __init__(self, comm):
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def Allreduce(self, send, recv, op=None):
+            seen.append(type(recv[0] if isinstance(recv, list) else recv))
+            return self.comm.Allreduce(send, recv, op=op)
+
+    t.comm = Spy(t.comm)
+    buf = cp.ones(5, np.float16)
+    t.allreduce(buf)
+    assert seen and all(c is np.ndarray for c in seen)

@@ -241,65 +241,6 @@ def test_defect8_bfloat16_device_tensor_is_a_dtype_error(cp):
         comm.masked_allreduce(bad, 1)
 
 
-def test_defect3_nccl_on_its_own_stream_is_ordered_with_the_current_stream(strict):
-    cp = strict
-    pytest.importorskip("mpi4py")
-    s = cp.cuda.Stream()
-    t = sc.NCCLTransport(stream=s, abort_on_exception=False)
-    buf = cp.ones(8, np.float32)
-    strict_cupy.cuda_log.clear()
-    t.allreduce(buf)
-    log = [e for e in strict_cupy.cuda_log if e[0] != "device"]
-    cur = cp.cuda.get_current_stream().ptr
-    (rec1, ev1, on1), (wait1, s1, ev1b), (call, sc_), (rec2, ev2, on2), (wait2, s2, ev2b) = log
-    assert (rec1, on1) == ("record", cur) and (wait1, s1, ev1b) == ("wait", s.ptr, ev1)  # s waits for the filler
-    assert (call, sc_) == ("nccl.allReduce", s.ptr)
-    assert (rec2, on2) == ("record", s.ptr) and (wait2, s2, ev2b) == ("wait", cur, ev2)  # the reader waits for s
-    assert strict_cupy.total_syncs() == 0  # ordered on the device, not by the host
-    np.testing.assert_array_equal(host(buf), np.ones(8))  # one rank: the sum is the value
-
-
-def test_defect5_cuda_awareness_is_asked_of_the_mpi_library(strict, monkeypatch):
-    cp = strict
-    mpi4py = pytest.importorskip("mpi4py")
-    import ctypes
-
-    from slamb_comm.transports import mpi_cuda_support
-
-    assert isinstance(mpi_cuda_support(), bool)
-    assert sc.MPITransport().cuda_aware == mpi_cuda_support()  # here: Open MPI without CUDA, False
-
-    class CudaAwareLib:  # what a CUDA-built Open MPI answers
-        def __init__(self, path):
-            self.path = path
-            self.MPIX_Query_cuda_support = lambda: 1
-
-    monkeypatch.setattr(ctypes, "CDLL", CudaAwareLib)
-    assert mpi_cuda_support() is True and sc.MPITransport().cuda_aware is True
-    monkeypatch.undo()
-    # float16 device buffers are summed through host memory even on a CUDA-aware MPI: the sum op
-    # is Python code that reads host memory
-    t = sc.MPITransport(cuda_aware=True)
-    seen = []
-
-    class Spy:  # mpi4py's methods are read-only: wrap the communicator
-        def __init__(self, comm):
-            self.comm = comm
-
-        def __getattr__(self, name):
-            return getattr(self.comm, name)
-
-        def Allreduce(self, send, recv, op=None):
-            seen.append(type(recv[0] if isinstance(recv, list) else recv))
-            return self.comm.Allreduce(send, recv, op=op)
-
-    t.comm = Spy(t.comm)
-    buf = cp.ones(5, np.float16)
-    t.allreduce(buf)
-    assert seen and all(c is np.ndarray for c in seen)
-    assert mpi4py is not None
-
-
 # ----------------------------------------------------------------------------- host synchronisations
 def _count(fn):
     strict_cupy.reset_syncs()
