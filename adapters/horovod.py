@@ -129,12 +129,31 @@ class HorovodTransport:
         hvd.allreduce_(t, op=hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
 
     def allgather(self, sendbuf, recvbuf):
-        """``recvbuf[r * n:(r + 1) * n]`` = rank r's ``sendbuf`` (n = ``sendbuf.size``)."""
+        """``recvbuf[r * n:(r + 1) * n]`` = rank r's ``sendbuf`` (n = ``sendbuf.size``).
+
+        While some rank is in ``hvd.join()``, Horovod refuses allgathers (and keeps running);
+        then the ranks still working gather through an allreduce of a zero-padded buffer
+        instead (twice the bytes, on those steps only), in which the joined ranks' slots are
+        zeros, as Horovod's joined ranks contribute zeros to every allreduce."""
         check_buffer(sendbuf)
         check_buffer(recvbuf)
         if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
             raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
-        out = hvd.allgather(_torch_view(sendbuf), name=self._name("allgather"), process_set=self.process_set)
+        name = self._name("allgather")
+        try:
+            out = hvd.allgather(_torch_view(sendbuf), name=name, process_set=self.process_set)
+        except hvd.HorovodInternalError as err:
+            if "not supported with Join" not in str(err):
+                raise
+            # Every rank that is not joined got this error for this allgather: gather by summing.
+            mine = _torch_view(sendbuf).reshape(-1).view(torch.uint8)
+            words = mine.numel() % 4 == 0  # summed as int32 words (x + 0 is exact), else byte by byte
+            slots = torch.zeros(self.size, mine.numel() // 4 if words else mine.numel(), dtype=torch.int32,
+                                device=mine.device)
+            slots[self.rank].copy_(mine.view(torch.int32) if words else mine)
+            hvd.allreduce_(slots, op=hvd.Sum, name=name + ".joined", process_set=self.process_set)
+            out = (slots if words else slots.to(torch.uint8)).reshape(-1).view(torch.uint8)
+            out = out.view(_torch_view(sendbuf).dtype)
         _torch_view(recvbuf).copy_(out.reshape(-1))
 
     def broadcast(self, buf, root=0):
@@ -388,11 +407,15 @@ class SLAMB(torch.optim.Optimizer):
 
     State: per parameter ``exp_avg`` (m), ``exp_avg_sq`` (v), ``freshness`` (f) -- float32
     views (float64 for float64 parameters) into SLAMB's fused buffers, live between
-    steps -- ``step`` (a float32 tensor) and ``mask_seed`` (int). ``state_dict()`` and
-    ``load_state_dict()`` round-trip exactly, so a resumed run is bitwise the run that was
+    steps -- ``step`` (a float32 tensor) and ``mask_seed`` (an int64 tensor, so that a
+    broadcast reaches it in place). ``state_dict()`` and ``load_state_dict()`` round-trip
+    exactly, so a run resumed from every rank's own state is bitwise the run that was
     interrupted. The state exists from construction on (zeros, freshness 1, step 0), so
     ``hvd.broadcast_optimizer_state`` never needs the zero-gradient ``step()`` it uses to
-    create state: it copies rank 0's state and does not advance the step count.
+    create state (and creates no ``p.grad``): it copies rank 0's state and does not advance
+    the step count. After Horovod's resume idiom (only rank 0 loads a checkpoint, then
+    broadcasts) every rank continues from rank 0's moments: a valid run, not bitwise the
+    interrupted one; the other ranks log a warning saying so.
 
     Data types: float32 and float64 parameters are updated in place; float16 and bfloat16
     parameters are updated through a float32 copy and cast back (Horovod has no bfloat16;
@@ -523,7 +546,7 @@ class SLAMB(torch.optim.Optimizer):
             e.rule = Slamb(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
-                           on_nonfinite=g0["on_nonfinite"])
+                           on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None)
             self._import_state(e, {p: saved[p] for p in params if p in saved})
             engines.append(e)
         self._engines = self._built = engines
@@ -575,7 +598,8 @@ class SLAMB(torch.optim.Optimizer):
                 st.pop("freshness", None)
             else:
                 st["freshness"] = _tensor_of(r._f[o:o + n]).view(shape)
-            st["mask_seed"] = int(e.comm.seed)
+            # a tensor, so that hvd.broadcast_optimizer_state writes it in place like the moments
+            st["mask_seed"] = torch.tensor(int(e.comm.seed), dtype=torch.int64)
 
     def state_dict(self):
         """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
@@ -603,7 +627,15 @@ class SLAMB(torch.optim.Optimizer):
         t, seed = int(float(st["step"])), int(st["mask_seed"])
         same_views = st["exp_avg"].data_ptr() == _tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
         if t != e.rule.t or seed != e.comm.seed or not same_views:
+            if self._slamb_transport is not None and not getattr(self, "_loaded_here", False):
+                _log.warning(
+                    "slamb_comm: SLAMB state of bucket %s was replaced from outside (a broadcast, e.g. "
+                    "hvd.broadcast_optimizer_state after rank 0 loaded a checkpoint): this rank continues from "
+                    "the broadcaster's moments, step %d and mask seed. That is a valid SLAMB run but not bitwise "
+                    "the interrupted one, whose moments differed per rank; save and load every rank's state "
+                    "(slamb_comm.checkpoint) for that.", e.names[0], t)
             self._import_state(e, {p: self.state[p] for p in e.params})
+            self._options_agreed = False
         rule_k, comm_k = self._knobs(e.groups[0])
         for g in e.groups[1:]:
             if self._knobs(g)[0] != rule_k:
@@ -653,6 +685,8 @@ class SLAMB(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output exactly (moments stay in their saved precision)."""
+        self._options_agreed = False
+        self._loaded_here = True  # what the next step imports came from this rank's own load
         raw = _saved_state_by_param(self, state_dict)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
@@ -734,13 +768,83 @@ def _set_backward_passes_per_step(self, passes):
         self._allreduce_delay[p] = passes
 
 
-def _register_hooks(opt):
-    opt._hook_handles = []
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if p.requires_grad:
-                opt._requires_update.append(p)
-                opt._hook_handles.append(p.register_post_accumulate_grad_hook(opt._make_hook(p)))
+def _register_hooks(opt, params=None):
+    """Gradient hooks on ``params`` (default: every trainable parameter), as Horovod registers
+    them: only on ranks inside the process set."""
+    if not hasattr(opt, "_hook_handles"):
+        opt._hook_handles = []
+    if params is None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        opt._requires_update.append(p)
+        opt._allreduce_delay[p] = opt.backward_passes_per_step
+        if opt._member:
+            opt._hook_handles.append(p.register_post_accumulate_grad_hook(opt._make_hook(p)))
+
+
+_OPTIMIZERS = itertools.count()
+
+
+def _member_transport(process_set):
+    """A HorovodTransport on ``process_set`` for its members, None for the other ranks (which still
+    take a transport number, so that every rank numbers its later transports alike)."""
+    if process_set.included():
+        return HorovodTransport(process_set)
+    next(HorovodTransport._created)
+    return None
+
+
+def _init_common(opt, process_set):
+    """What both distributed optimizers share: membership, Horovod's recognition, the flag."""
+    opt.process_set = process_set
+    opt._member = bool(process_set.included())
+    # hvd.broadcast_optimizer_state recognises Horovod's own distributed optimizers by this attribute
+    # and then creates missing state with the *wrapped* optimizer's step(), locally, without the
+    # collectives a distributed step() would start on only some ranks (which hung). This is one.
+    opt.__module__ = hvd.DistributedOptimizer.__module__
+    opt._flag = None  # this step's "trainable set grew" allreduce: None, (handle, buf), or False (consumed)
+    opt._flag_name = f"slamb_comm.trainable.{next(_OPTIMIZERS)}"
+    opt._requires_update = []
+    opt._allreduce_delay = {}
+
+
+def _launch_trainable_flag(self):
+    """Once per step (from the first gradient hook, or from synchronize()): how many ranks have a
+    parameter that became trainable after the optimizer was built (``requires_grad`` set later).
+    One bit per rank (P / 31 int32 words, summed: distinct bits add up to their OR), asynchronous,
+    so Horovod fuses it with the step's other tensors."""
+    if self._flag is not None:
+        return
+    known = self._known()
+    self._grown = [p for p in self._all_params if p.requires_grad and p not in known]
+    buf = torch.zeros((self.process_set.size() + 30) // 31, dtype=torch.int32)
+    if self._grown:
+        r = self.process_set.rank()
+        buf[r // 31] = 1 << (r % 31)
+    handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=self._flag_name, process_set=self.process_set)
+    self._flag = (handle, buf)
+
+
+def _wait_trainable_flag(self):
+    """The parameters to adopt at this step: those that became trainable, when every rank has them;
+    [] when no rank has. If only some ranks do, the caller's ``abandon()`` runs and every rank
+    raises: LayoutError where the set grew, PeerError elsewhere."""
+    _launch_trainable_flag(self)
+    handle, _ = self._flag
+    self._flag = False
+    words = hvd.synchronize(handle).tolist()
+    ranks = [r for r in range(self.process_set.size()) if words[r // 31] >> (r % 31) & 1]
+    if not ranks:
+        return []
+    if len(ranks) == self.process_set.size():
+        return self._grown
+    self._abandon()
+    if self._grown:
+        raise LayoutError(f"parameter(s) {[self._names.get(id(p), '?') for p in self._grown][:5]} became trainable "
+                          f"(requires_grad) after the optimizer was built on rank(s) {ranks} but not on every rank; "
+                          "set requires_grad alike everywhere; the step was abandoned on every rank")
+    raise PeerError(f"rank(s) {ranks} have parameters that became trainable after the optimizer was built, the "
+                    "others do not (see their error); the step was abandoned on every rank", ranks)
 
 
 # ---------------------------------------------------------------------------- distributed SLAMB
@@ -764,21 +868,21 @@ class _DistributedSlamb(torch.optim.Optimizer):
 
     def __init__(self, params, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
                  process_set):
-        self._slamb_transport = HorovodTransport(process_set)
-        self._slamb_names = names
+        # A rank outside the process set optimises alone (P = 1), as Horovod's non-members do.
+        self._slamb_transport = _member_transport(process_set)
+        self._slamb_names = self._names = names
         self._slamb_defer_build = True
         super(self.__class__, self).__init__(params)
         if compression is hvd.Compression.fp16:
             for g in self.param_groups:
                 g["value_dtype"] = "float16"
-        self.process_set = process_set
+        _init_common(self, process_set)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
+        self._options_agreed = False  # update options are checked before the first step (after a broadcast)
         self._build_engines()
         self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
-        self._requires_update = []
-        self._allreduce_delay = {}
         self._consumed = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -787,7 +891,9 @@ class _DistributedSlamb(torch.optim.Optimizer):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._exchanges = itertools.count()
         _register_hooks(self)
-        self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
+
+    def _known(self):
+        return self._where
 
     def add_param_group(self, param_group):
         """Only during construction: the hooks and buckets of a distributed SLAMB are fixed."""
@@ -813,6 +919,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
     def _begin(self, e):
         if isinstance(self._engines, str):
             raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
+        _launch_trainable_flag(self)
         if self._layout_problem is None:
             self._layout_problem = _changed_set(self, self._all_params)
         try:
@@ -955,7 +1062,18 @@ class _DistributedSlamb(torch.optim.Optimizer):
                                  "on every rank and nothing was changed", ranks)
         raise problem if problem is not None else peer_err
 
+    def _abandon(self):
+        """Wait for whatever this step launched (Horovod needs every handle collected), then abort."""
+        for e in self._engines:
+            for launched in e.launched.values():
+                if launched is not None:
+                    hvd.synchronize(launched[0])
+        self._abort()
+
     def _abort(self):
+        if self._flag:
+            hvd.synchronize(self._flag[0])
+        self._flag = None
         for e in self._engines:
             if e.open:
                 e.rule.abort_step()
@@ -969,17 +1087,43 @@ class _DistributedSlamb(torch.optim.Optimizer):
         self._synchronized = False
 
     def synchronize(self):
-        """Finish this step's momentum exchange (every rank submits every tensor)."""
+        """Finish this step's momentum exchange (every rank submits every tensor).
+
+        Outside the process set there is nothing to exchange (the rank optimises alone)."""
+        if not self._member:
+            self._synchronized = True
+            return
+        self._launch_missing()
+        grown = _wait_trainable_flag(self)
+        if grown:  # every rank unfroze the same parameters: adopt them (collectively), redo the exchange
+            self._abandon()
+            self._build_engines()  # keeps the state; the new parameters get a bucket of their own, at step 0
+            self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
+            _register_hooks(self, grown)
+            self._options_agreed = False
+            self._flag = False
+            self._launch_missing()
+        self._finish_exchange()
+        if not self._options_agreed:  # the update options, as broadcast_optimizer_state left them
+            try:
+                for e in self._engines:
+                    e.rule.agree_options(*self._lr_wd(e))
+            except ConfigError:
+                self._abort()
+                raise
+            self._options_agreed = True
+        self._flag = None
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    def _launch_missing(self):
         missing = [p for p in self._requires_update
                    if not (self._where[p][0].open and p in self._where[p][0].launched)]
         for p in missing:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._launch(p)
-        self._finish_exchange()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        self._synchronized = True
 
     skip_synchronize = _skip_synchronize
 
@@ -1006,7 +1150,13 @@ class _DistributedSlamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Finish the exchange (unless already synchronized) and apply the SLAMB update."""
+        """Finish the exchange (unless already synchronized) and apply the SLAMB update.
+
+        Outside the process set: the single-process SLAMB step (P = 1), as Horovod's non-members
+        step their optimizer on the local gradient."""
+        if not self._member:
+            return super(self.__class__, self).step(closure)
+        self._loaded_here = False
         explicit = self._synchronized
         if self._should_synchronize:
             if self._synchronized:
@@ -1075,28 +1225,43 @@ class _DistributedTopK(torch.optim.Optimizer):
                  process_set):
         super(self.__class__, self).__init__(params)
         self._compression = compression
-        self.process_set = process_set
+        self._names = names
+        _init_common(self, process_set)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
-        self._requires_update = []
         self._synchronized = False
         self._should_synchronize = True
         self._pending = False
         _register_hooks(self)
-        self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
         self._all_params = [p for g in self.param_groups for p in g["params"]]
-        transport = HorovodTransport(process_set)
-        buckets = {}
-        for p in self._requires_update:
-            buckets.setdefault((str(p.device), str(_state_dtype(p.dtype))), []).append(p)
+        self._transport = _member_transport(process_set)  # None outside the process set: nothing exchanged
         self._topk = []
+        self._add_buckets(self._requires_update if self._member else [])
+
+    def _add_buckets(self, params):
+        """One fused top-k Communicator per (device, dtype) of ``params`` (collective). Parameters
+        that become trainable later get buckets of their own, so no error buffer is remapped."""
+        c = self._compression
+        buckets = {}
+        for p in params:
+            buckets.setdefault((str(p.device), str(_state_dtype(p.dtype)), len(self._topk)), []).append(p)
         for key, ps in buckets.items():
             dt = _state_dtype(ps[0].dtype)
-            layout = Layout([tuple(p.shape) for p in ps], _np_dtype(dt), names=[names[id(p)] for p in ps])
-            comm = Communicator(transport, layout, ratio=compression.ratio, value_dtype=compression.value_dtype,
-                                seed=0)
+            layout = Layout([tuple(p.shape) for p in ps], _np_dtype(dt), names=[self._names[id(p)] for p in ps],
+                            dense_threshold=c.dense_threshold or 0)
+            comm = Communicator(self._transport, layout, ratio=c.ratio, value_dtype=c.value_dtype, seed=0,
+                                topk_dense=c.dense_threshold is not None)
             self._topk.append((key, ps, dt, comm))
+
+    def _known(self):
+        return {p for _, ps, _, _ in self._topk for p in ps} if self._member else set(self._requires_update)
+
+    def _abandon(self):
+        self._flag = None
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._pending = False
 
     set_backward_passes_per_step = _set_backward_passes_per_step
 
@@ -1105,6 +1270,7 @@ class _DistributedTopK(torch.optim.Optimizer):
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY)
             self._allreduce_delay[p] -= 1
+            _launch_trainable_flag(self)
             self._pending = True
         return hook
 
@@ -1125,7 +1291,18 @@ class _DistributedTopK(torch.optim.Optimizer):
 
         All buckets or none: every bucket is exchanged before any error buffer or ``p.grad``
         is written, and if a bucket fails (on every rank alike: NaN/Inf, or a parameter that
-        changed on some rank) no bucket commits, so the step changes no state."""
+        changed on some rank) no bucket commits, so the step changes no state.
+
+        Outside the process set nothing is exchanged: the wrapped optimizer steps on this rank's
+        own gradients, as with Horovod."""
+        if not self._member:
+            self._synchronized = True
+            return
+        grown = _wait_trainable_flag(self)
+        self._flag = None
+        if grown:  # unfrozen alike on every rank: exchanged from this step on, with zero error buffers
+            self._add_buckets(grown)
+            _register_hooks(self, grown)
         problem = _changed_set(self, self._all_params)
         means = []
         try:
@@ -1258,7 +1435,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     non-tuple ``named_parameters`` raise ``ValueError``; every rank submits every tensor
     (zeros for a parameter without a gradient); ``synchronize()`` / ``skip_synchronize()``,
     ``zero_grad()``, ``backward_passes_per_step``, ``hvd.broadcast_parameters`` and
-    ``hvd.broadcast_optimizer_state`` work. ``groups`` / ``num_groups`` are accepted and
+    ``hvd.broadcast_optimizer_state`` work (Horovod recognises the result as one of its own
+    distributed optimizers, so a rank without state creates it with the wrapped optimizer's
+    own local step, never with collectives that only some ranks would start); ``hvd.join()``
+    and ``process_set=`` work as the README's Horovod table says. ``groups`` / ``num_groups`` are accepted and
     ignored there (slamb_comm fuses each bucket itself); sparse gradients are exchanged
     dense (as with ``sparse_as_dense=True``). bfloat16 is exchanged as float32: Horovod's
     collectives carry no bfloat16 or bool.

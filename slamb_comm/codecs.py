@@ -262,17 +262,27 @@ class TopK:
             skipped by every rank (gradients become NaN everywhere, so an AMP GradScaler
             skips it too; logged and counted); ``'raise'``: every rank raises NonFiniteError.
             Either way the error buffers do not change.
+        dense_threshold: ``None`` (default): no tensor is always dense, every tensor sends
+            its ``max(1, round(ratio * n))`` entries, as ALGORITHM.md section 2 says. An int T:
+            tensors with ndim <= 1 or fewer than T elements are sent whole every step (SLAMB's
+            always-dense rule; biases and small tensors then cost ``n * (value + 4)`` bytes
+            but carry no error buffer drift).
     """
 
-    def __init__(self, ratio, value_dtype="float32", on_nonfinite="skip"):
+    def __init__(self, ratio, value_dtype="float32", on_nonfinite="skip", dense_threshold=None):
         self.ratio = check_ratio(ratio)
         self.value_dtype = _arr.value_dtype(value_dtype).name
         if on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
+        if dense_threshold is not None and (isinstance(dense_threshold, bool) or int(dense_threshold) != dense_threshold
+                                            or dense_threshold < 0):
+            raise ConfigError(f"dense_threshold must be None or an integer >= 0, got {dense_threshold!r}")
+        self.dense_threshold = None if dense_threshold is None else int(dense_threshold)
 
     def __repr__(self):
-        return f"TopK({self.ratio}, value_dtype={self.value_dtype!r}, on_nonfinite={self.on_nonfinite!r})"
+        return (f"TopK({self.ratio}, value_dtype={self.value_dtype!r}, on_nonfinite={self.on_nonfinite!r}, "
+                f"dense_threshold={self.dense_threshold!r})")
 
     # A framework's compressor interface (Horovod's), for a clear error if passed to the wrong place.
     def compress(self, tensor):
@@ -286,7 +296,8 @@ class TopK:
 class TopKWire:
     """The wire layout of one rank's top-k payload, and its encode/decode.
 
-    Per tensor i, ``K_i = k_elems(ratio, n_i)`` entries. One rank's payload is one byte
+    Per tensor i, ``K_i = k_elems(ratio, n_i)`` entries (``n_i`` for the layout's always-dense
+    tensors when ``whole_dense``). One rank's payload is one byte
     buffer: an 8-byte header (int32 status, int32 padding), the K = sum K_i local
     indices as int32 (index within its tensor), padding to 8 bytes, the K values in
     ``value_dtype``, and padding to 8 bytes. Every rank's payload has the same size, a
@@ -297,11 +308,11 @@ class TopKWire:
 
     HEADER = 8
 
-    def __init__(self, layout, ratio, value_dtype_name="float32"):
+    def __init__(self, layout, ratio, value_dtype_name="float32", whole_dense=False):
         self.layout = layout
         self.ratio = check_ratio(ratio)
         self.value_dtype = value_dtype(value_dtype_name)
-        self.counts = [k_elems(self.ratio, n) for n in layout.sizes]
+        self.counts = [n if whole_dense and d else k_elems(self.ratio, n) for n, d in zip(layout.sizes, layout.dense)]
         self.starts = [0]
         for k in self.counts:
             self.starts.append(self.starts[-1] + k)

@@ -76,6 +76,9 @@ class Communicator:
             whole runs instead of scattered elements (see :class:`~slamb_comm.masks.CyclicMask`).
         bucket_bytes: the most scratch :meth:`sync` uses (default 32 MiB): arrays larger
             than that are averaged in several allreduces.
+        topk_dense: if True, :meth:`sparse_allgather` sends the always-dense tensors (see
+            ``dense_threshold``) whole; by default every tensor sends its top-k, as
+            ALGORITHM.md section 2 says.
 
     Raises (on every rank, never on one only):
         ConfigError: ratio, mask or threshold out of range or unknown.
@@ -97,6 +100,7 @@ class Communicator:
         dense_threshold=9000,
         block=1,
         bucket_bytes=32 << 20,
+        topk_dense=False,
     ):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
@@ -118,6 +122,7 @@ class Communicator:
                 raise ConfigError(f"unknown mask {mask!r}; choose one of ['bernoulli', 'cyclic', 'topk']")
             self.mask_kind = mask
             self.block = check_block(block)
+            self.topk_dense = bool(topk_dense)
             if mask != "cyclic" and self.block != 1:
                 raise ConfigError(f"block={block} applies to the cyclic mask only, not {mask!r}")
             digest = self._digest()
@@ -129,7 +134,7 @@ class Communicator:
         self.transport.broadcast(seed_buf, root=0)
         self.seed = int(seed_buf[0])
         self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
-        self.wire = TopKWire(self.layout, self.ratio, self.value_dtype)
+        self.wire = TopKWire(self.layout, self.ratio, self.value_dtype, whole_dense=self.topk_dense)
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -169,7 +174,7 @@ class Communicator:
 
     def _digest(self):
         """Layout plus the options every rank must share (block only when it is not 1)."""
-        extra = () if self.block == 1 else (("block", self.block),)
+        extra = (() if self.block == 1 else (("block", self.block),)) + ((("topk_dense", True),) if self.topk_dense else ())
         return self.layout.digest(self.ratio, self.mask_kind, self.value_dtype.name, *extra)
 
     # ------------------------------------------------------------------ inputs
@@ -253,7 +258,7 @@ class Communicator:
         self.transport.allgather(mine, everyone)
         return everyone.tolist()
 
-    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None):
+    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None, present=0):
         """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
         rank that rejected its input (``problem``, an exception) or found non-finite values of
         its own (``local_bad``: a bool, or a 0-d device array, so that nothing is read back
@@ -266,21 +271,28 @@ class Communicator:
         ``mine()``, also on the failure path only, flags per tensor where this rank's values
         were not finite (the ranks then agree on the union). Every exchange that sums goes
         through here.
+
+        ``present``: what a rank that is fine puts in the status word (default 0). With
+        ``whole=False`` the summed status word is returned (its one host read), so a caller
+        that puts a nonzero ``present`` learns how many ranks took part: under Horovod's
+        ``join()`` the ranks that joined contribute zeros.
         """
         xp = _arr.namespace(buf)
         if problem is not None:
             buf[-1] = np.nan
         elif isinstance(local_bad, (bool, np.bool_)):
-            buf[-1] = np.nan if local_bad else 0
+            buf[-1] = np.nan if local_bad else present
         else:
-            buf[-1:] = xp.where(local_bad, np.nan, 0.0).astype(buf.dtype)
+            buf[-1:] = xp.where(local_bad, np.nan, present).astype(buf.dtype)
         self.transport.allreduce(buf)
         if whole:
+            word = None
             ok = bool(xp.isfinite(xp.sum(buf, dtype=np.float64)))  # NaN and Inf survive a sum
         else:
-            ok = bool(xp.isfinite(buf[-1]))
+            word = float(_arr.to_host(buf[-1:])[0])
+            ok = np.isfinite(word)
         if ok:
-            return
+            return word
         # The failure path (host reads are fine here): who flagged, and where the sums are bad.
         if problem is not None:
             code = _BAD_INPUT
@@ -478,7 +490,9 @@ class Communicator:
         takes; each rank sends ``x / P`` (so no sum can overflow; exact for P a power of
         two). The first bucket carries the status word and is checked with one host read
         before anything is written: a rank with bad input or non-finite ``x`` makes every
-        rank raise, with nothing changed. ``written(i)``, if given, is called once tensor i
+        rank raise, with nothing changed. The status word also counts the ranks that took
+        part: where some contributed zeros instead (ranks that called Horovod's ``join()``),
+        the mean is over the others, so the parameters are not shrunk towards zero. ``written(i)``, if given, is called once tensor i
         has been written (for lazily converted inputs; see :meth:`_take`). ``finite``: the
         caller's word that ``x`` is finite on this rank (a bool, or a 0-d device array), which
         saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
@@ -502,19 +516,25 @@ class Communicator:
             buf = xp.empty(cap + 1, dtype=dt)
             scale = dt.type(1.0 / P)
             pieces, used, first = [], 0, True
+            fix = None  # P / (ranks that took part), where that is not P
 
             def flush(pieces, used, first):
-                nonlocal comm_s
+                nonlocal comm_s, fix
                 b = buf[: used + 1] if first else buf[:used]
                 if P > 1:
                     b *= scale
                 c0 = time.perf_counter()
                 if first:
-                    self.reduce_checked(b, problem, bad, "sync", whole=False, mine=lambda: [
+                    word = self.reduce_checked(b, problem, bad, "sync", whole=False, present=scale, mine=lambda: [
                         not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
+                    took_part = round(word * P)
+                    if 0 < took_part < P:
+                        fix = dt.type(P / took_part)
                 else:
                     self.transport.allreduce(b)
                 comm_s += time.perf_counter() - c0
+                if fix is not None:
+                    b *= fix
                 for i, lo, hi, at in pieces:
                     views[i][lo:hi] = buf[at : at + hi - lo]
                     if written is not None and hi == lay.sizes[i]:

@@ -79,9 +79,10 @@ class Slamb:
         sync_interval: H >= 1; parameters are averaged after steps with ``(t - 1) % H == 0``.
         c_min, c_max: clamp of the trust ratios.
         on_nonfinite: 'skip' (default) or 'raise', for a step with NaN/Inf on any rank.
-
-    Construction is collective: the ranks check that they agree on every option above
-    (a ConfigError on every rank names the ranks that differ).
+        check_options: check at construction (collectively) that every rank has the same
+            options above; a ConfigError on every rank names the ranks that differ. A caller
+            whose options are unified later (Horovod's ``broadcast_optimizer_state``) passes
+            False and calls :meth:`agree_options` before the first step instead.
 
     One whole step is :meth:`step`. For overlapping communication with the backward
     pass it is also offered in pieces: :meth:`begin_step`; :meth:`accumulate` per tensor as
@@ -103,6 +104,7 @@ class Slamb:
         c_min=0.01,
         c_max=1000.0,
         on_nonfinite="skip",
+        check_options=True,
     ):
         self.comm = comm
         self.layout = comm.layout
@@ -134,7 +136,8 @@ class Slamb:
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite values (on every rank alike)
-        self._agree_options()
+        if check_options:
+            self.agree_options()
         self.derived = comm.mask.kind == "cyclic"  # freshness follows from the mask's schedule
         self.t = 0  # steps committed
         self._t_open = None  # the step in progress, between begin_step and apply
@@ -144,10 +147,13 @@ class Slamb:
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
 
-    def _agree_options(self):
-        """Collective: every rank must have the same options (else ConfigError everywhere)."""
-        opts = (self.betas, self.eps, self.beta3, self.sync_interval, self.c_min, self.c_max, self.lr,
-                self.weight_decay, self.on_nonfinite)
+    def agree_options(self, lr=None, weight_decay=None):
+        """Collective: every rank must have the same options (else ConfigError everywhere).
+        ``lr`` and ``weight_decay``, if given, are the values the next step will use."""
+        lr = self.lr if lr is None else self._per_tensor(lr, "lr")
+        weight_decay = self.weight_decay if weight_decay is None else self._per_tensor(weight_decay, "weight_decay")
+        opts = (self.betas, self.eps, self.beta3, self.sync_interval, self.c_min, self.c_max, lr,
+                weight_decay, self.on_nonfinite)
         mine = np.frombuffer(self.layout.digest(*opts), dtype=np.int64).copy()
         t = self.comm.transport
         everyone = np.zeros(2 * t.size, dtype=np.int64)
@@ -158,7 +164,7 @@ class Slamb:
             raise ConfigError(
                 f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0; this is rank {t.rank} "
                 f"with betas={self.betas}, eps={self.eps}, beta3={self.beta3}, sync_interval={self.sync_interval}, "
-                f"c_min={self.c_min}, c_max={self.c_max}, lr={self.lr[:3]}..., weight_decay={self.weight_decay[:3]}..., "
+                f"c_min={self.c_min}, c_max={self.c_max}, lr={lr[:3]}..., weight_decay={weight_decay[:3]}..., "
                 f"on_nonfinite={self.on_nonfinite!r}"
             )
 
