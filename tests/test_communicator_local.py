@@ -548,3 +548,46 @@ def test_sync_of_a_lazy_sequence_holds_one_bucket_of_copies():
     comm.sync(lazy, written=lazy.written, finite=True)
     assert lazy.most <= 3 and not lazy.alive
     assert comm.stats.last.calls == 1 and [float(a[0]) for a in arrs] == list(range(10))
+
+
+# --------------------------------------------------------------------------- ranks that contribute zeros
+class _OthersJoined(sc.LocalTransport):
+    """This rank of ``size`` ranks, the others contributing zeros to every sum: what Horovod's
+    ``join()`` does to the ranks still working (construction's agreement sees them agree)."""
+
+    size = 4
+
+    def allgather(self, sendbuf, recvbuf):
+        recvbuf.reshape(self.size, -1)[:] = sendbuf
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sync_averages_over_the_ranks_that_took_part(dtype):
+    """A sync where 3 of 4 ranks contribute zeros is the mean over the one that took part (its own
+    values), not its values / 4: parameters must not shrink under Horovod's join()."""
+    arrays = make_arrays(3, dtype)
+    before = [a.copy() for a in arrays]
+    comm = sc.Communicator(_OthersJoined(), arrays, bucket_bytes=4096)  # several buckets
+    comm.sync(arrays)
+    for a, b in zip(arrays, before):
+        np.testing.assert_allclose(a, b, rtol=4 * np.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("topk_dense", [False, True])
+def test_sparse_allgather_topk_dense_sends_always_dense_tensors_whole(topk_dense):
+    """``topk_dense=True``: the layout's always-dense tensors (here the 1-D bias) go whole; by
+    default every tensor sends its k_elems (ALGORITHM.md section 2)."""
+    arrays = make_arrays(5)
+    comm = comm_for(arrays, ratio=0.1, dense_threshold=9000, topk_dense=topk_dense)
+    lay = comm.layout
+    want = [n if (topk_dense and d) else sc.k_elems(0.1, n) for n, d in zip(lay.sizes, lay.dense)]
+    assert comm.wire.counts == want and (want[1] == 50) == topk_dense
+    g = make_arrays(6)
+    out = comm.sparse_allgather(g)
+    c = flat_of(g)
+    ref = ref_topk(c, lay, 0.1)
+    if topk_dense:
+        o, n = lay.segments()[1]
+        ref[o : o + n] = c[o : o + n]
+    assert np.array_equal(flat_of(out), ref)
+    assert np.array_equal(comm.residual, c - ref)
