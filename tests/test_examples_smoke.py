@@ -50,6 +50,24 @@ def test_horovod_slamb_example_under_mpirun():
     assert "step    6" in out and "of dense" in out
 
 
+@pytest.mark.parametrize("mode", ["slamb", "topk"])
+def test_horovod_slamb_example_checkpoint_and_resume(mode, tmp_path):
+    """Horovod's resume idiom: rank 0 saves at the end; the next run's rank 0 loads, then
+    broadcast_parameters / broadcast_optimizer_state / the start step reach every rank."""
+    ckpt = tmp_path / "ckpt.pt"
+    first = mpirun(2, "examples/horovod_slamb.py", "--mode", mode, "--steps", "3", "--log-every", "1",
+                   "--checkpoint", str(ckpt), timeout=180)
+    assert "resumed from step" not in first
+    assert "step    3" in first and f"saved checkpoint at step 3 to {ckpt}" in first
+    assert ckpt.exists() and not list(tmp_path.glob("*.tmp*"))  # written through a temporary file, then renamed
+    second = mpirun(2, "examples/horovod_slamb.py", "--mode", mode, "--steps", "3", "--log-every", "1",
+                    "--checkpoint", str(ckpt), "--resume", timeout=180)
+    assert f"resumed from step 3 ({ckpt})" in second
+    logged = [int(line.split()[1]) for line in second.splitlines() if line.startswith("step ")]
+    assert logged == [4, 5, 6], logged  # starts at the saved step
+    assert f"({mode})" in second and f"saved checkpoint at step 6 to {ckpt}" in second
+
+
 def test_horovod_slamb_example_under_horovodrun():
     import shutil
 
