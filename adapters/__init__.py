@@ -1,8 +1,11 @@
 """Thin adapters that plug slamb_comm into training frameworks (installed as ``slamb_comm.adapters``).
 
 Each adapter imports its framework only when imported itself, so ``import slamb_comm``
-stays free of torch and horovod.
+stays free of torch and horovod. One module per framework:
 
-* :mod:`slamb_comm.adapters.horovod` -- Horovod + PyTorch: ``SLAMB``, ``TopK``, ``DistributedOptimizer``
-  (a drop-in for ``hvd.DistributedOptimizer``) and ``HorovodTransport``.
+* :mod:`slamb_comm.adapters.torch` -- PyTorch: the ``SLAMB`` optimizer, ``TorchTransport`` on
+  torch.distributed, ``DistributedOptimizer`` for torchrun jobs, and the DDP communication
+  hooks ``slamb_hook`` / ``topk_hook`` with their states.
+* :mod:`slamb_comm.adapters.horovod` -- Horovod: ``HorovodTransport`` and ``DistributedOptimizer``
+  (a drop-in for ``hvd.DistributedOptimizer``), on the torch adapter's optimizers.
 """

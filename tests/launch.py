@@ -15,3 +15,14 @@ def mpirun(np_, *cmd, timeout=240):
     )
     assert proc.returncode == 0, f"rc {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def torchrun(nproc, *cmd, timeout=240):
+    """Run ``torchrun --standalone --nproc_per_node nproc cmd...`` under an outer timeout; return
+    the CompletedProcess (the caller checks the exit code)."""
+    return subprocess.run(
+        ["timeout", "--kill-after=30", str(timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node", str(nproc), *cmd],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )

@@ -1,0 +1,282 @@
+"""Tests of the torch.distributed adapter (slamb_comm.adapters.torch), run under MPI:
+
+    bash scripts/mpirun.sh 4 600 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_torch_dist.py
+
+(also at 1 and 2 ranks). mpirun only starts the processes and hands rank 0's free port to
+the others; every exchange goes through a torch.distributed gloo process group, as under
+torchrun. Each test compares the library with the dense references of torch_reference.py
+(ALGORITHM.md section 1 for SLAMB, section 2 for top-k), for the plain DistributedOptimizer
+and for the DDP communication hooks. No test asserts a timing.
+"""
+
+import copy
+import datetime
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import slamb_comm  # noqa: E402
+from slamb_comm.adapters import torch as st  # noqa: E402
+from torch_reference import (  # noqa: E402
+    N_ALL, SHAPES, THRESHOLD, RefSlamb, RefTopK, flat_params, grads_at, loss_of, make_model, maxdiff,
+    topk_close, topk_counts,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size,
+                            timeout=datetime.timedelta(seconds=90))
+    yield
+    dist.destroy_process_group()
+
+
+def P():
+    return dist.get_world_size()
+
+
+def R():
+    return dist.get_rank()
+
+
+def everyones_params(model):
+    """Every rank's parameters, (P, n) float64, through one exact allreduce of one-hot rows."""
+    rows = torch.zeros(P(), N_ALL, dtype=torch.float64)
+    rows[R()] = torch.from_numpy(flat_params(model))
+    dist.all_reduce(rows)
+    return rows.numpy()
+
+
+def same_on_all_ranks(model):
+    rows = everyones_params(model)
+    return all(np.array_equal(rows[0], rows[r]) for r in range(P()))
+
+
+def train_step(net, opt, t, scale=1.0):
+    opt.zero_grad()
+    (loss_of(net, R(), t) * scale).backward()
+    opt.step()
+
+
+def slamb_opt(model, **kw):
+    kw = {"lr": 0.02, "ratio": 0.25, "beta3": 0.9, "weight_decay": 0.01, "dense_threshold": THRESHOLD, **kw}
+    return st.DistributedOptimizer(st.SLAMB(model.parameters(), **kw), named_parameters=model.named_parameters())
+
+
+def ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def gather_failures(failed):
+    """Assert after the test's last collective: every rank's failures, on every rank."""
+    flag = torch.tensor([len(failed)], dtype=torch.int64)
+    dist.all_reduce(flag)
+    assert not failed, f"rank {R()}: " + "; ".join(failed[:6])
+    assert int(flag[0]) == 0, "another rank failed"
+
+
+# ============================================================================= SLAMB vs section 1
+@pytest.mark.parametrize("use_ddp", [False, True])
+@pytest.mark.parametrize("ratio,value_dtype", [(0.25, "float32"), (1.0, "float32"), (0.25, "float16")])
+def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype):
+    model = make_model(1)
+    net = ddp(model) if use_ddp else model
+    opt = slamb_opt(model, ratio=ratio, sync_interval=3, value_dtype=value_dtype, seed=5)
+    assert isinstance(opt, st.SLAMB)
+    if use_ddp:
+        net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
+    (comm,) = opt.communicators
+    assert comm.size == P() and isinstance(comm.transport, st.TorchTransport)
+    tol = dict(rtol=2e-4, atol=2e-5) if value_dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
+    failed = []
+    for t in range(1, 9):
+        xs = everyones_params(model)
+        grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
+        mask = np.asarray(comm.mask.select(t))
+        train_step(net, opt, t)
+        ref.step(grads, mask)
+        if not np.allclose(flat_params(model), ref.x[R()], **tol):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 1")
+        if (t - 1) % 3 == 0 and not same_on_all_ranks(model):
+            failed.append(f"step {t}: parameters differ right after a periodic sync")
+    gather_failures(failed)
+
+
+def test_slamb_hook_keeps_gradients_local_and_launches_from_buckets():
+    model = make_model(2)
+    net = ddp(model)
+    opt = slamb_opt(model)
+    net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    opt.zero_grad()
+    loss_of(net, R(), 1).backward()
+    local = make_model(2)
+    loss_of(local, R(), 1).backward()
+    mine = np.concatenate([p.grad.reshape(-1).numpy() for p in model.parameters()])
+    want = np.concatenate([p.grad.reshape(-1).numpy() for p in local.parameters()])
+    launched = sum(len(e.launched) for e in opt._engines)
+    opt.step()
+    failed = [] if np.allclose(mine, want, rtol=1e-6, atol=1e-7) else ["p.grad is not this rank's own gradient"]
+    if launched != len(SHAPES):
+        failed.append(f"the hook launched {launched} of {len(SHAPES)} exchanges during backward")
+    with pytest.raises(RuntimeError):  # DDP's own rule: one communication hook per model
+        net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    gather_failures(failed)
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank():
+    model = make_model(3)
+    opt = slamb_opt(model)
+    train_step(model, opt, 1)
+    before = flat_params(model)
+    train_step(model, opt, 2, scale=float("nan") if R() == P() - 1 else 1.0)
+    failed = [] if np.array_equal(flat_params(model), before) else ["a skipped step moved the parameters"]
+    if opt.skipped_steps != 1 or int(opt.state[model[0].weight]["step"]) != 1:
+        failed.append(f"skipped_steps {opt.skipped_steps}, step {int(opt.state[model[0].weight]['step'])}")
+    train_step(model, opt, 3)
+    if int(opt.state[model[0].weight]["step"]) != 2:
+        failed.append("the step after the skipped one did not count")
+    gather_failures(failed)
+
+
+def test_checkpoint_resumes_bitwise():
+    model = make_model(4)
+    opt = slamb_opt(model, sync_interval=2, seed=None)
+    for t in range(1, 4):
+        train_step(model, opt, t)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    for t in range(4, 7):
+        train_step(model, opt, t)
+    want = flat_params(model)
+    model2 = make_model(99)
+    opt2 = slamb_opt(model2, sync_interval=2, seed=None)  # another random mask seed: the checkpoint's wins
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    for t in range(4, 7):
+        train_step(model2, opt2, t)
+    gather_failures([] if np.array_equal(flat_params(model2), want) else ["the resumed run is not bitwise the same"])
+
+
+# ============================================================================= top-k vs section 2
+def make_inner(name, params):
+    return {"sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+            "adam": lambda: torch.optim.Adam(params, lr=0.01)}[name]()
+
+
+@pytest.mark.parametrize("use_ddp", [False, True])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("ratio,dense_threshold", [(0.1, None), (1.0, None), (0.1, THRESHOLD)])
+def test_topk_matches_section2(use_ddp, opt_name, ratio, dense_threshold):
+    model, twin = make_model(5), make_model(5)
+    inner = make_inner(opt_name, model.parameters())
+    compression = slamb_comm.TopK(ratio, dense_threshold=dense_threshold)
+    if use_ddp:
+        net, opt = ddp(model), inner
+        state = st.TopKHookState(model.named_parameters(), compression)
+        net.register_comm_hook(state, st.topk_hook)
+    else:
+        net = model
+        opt = st.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
+    ref = RefTopK(twin, make_inner(opt_name, twin.parameters()), topk_counts(ratio, dense_threshold), P())
+    failed = []
+    for t in range(1, 7):
+        x = flat_params(model)
+        grads = [grads_at(x, r, t) for r in range(P())]
+        ref.apply(ref.exchange(grads, P(), range(P())))
+        train_step(net, opt, t)
+        if not topk_close(flat_params(model), ref.x()):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x()):.3g} from section 2")
+    if use_ddp:  # error buffers per parameter name, this rank's, as the reference's
+        names = [n for n, _ in model.named_parameters()]
+        mine = np.concatenate([state.state_dict()[n].reshape(-1).numpy() for n in names])
+        if not np.allclose(mine, ref.errors[R()], rtol=1e-5, atol=1e-6):
+            failed.append("error buffers differ from the reference's")
+    if not same_on_all_ranks(model):
+        failed.append("replicas differ")
+    gather_failures(failed)
+
+
+def test_topk_hook_at_ratio_one_is_ddp_averaging():
+    a, b = make_model(6), make_model(6)
+    net_a, net_b = ddp(a), ddp(b)
+    net_b.register_comm_hook(st.TopKHookState(b.named_parameters(), slamb_comm.TopK(1.0)), st.topk_hook)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.05), torch.optim.SGD(b.parameters(), lr=0.05)
+    for t in range(1, 5):
+        train_step(net_a, opt_a, t)
+        train_step(net_b, opt_b, t)
+    gather_failures([] if np.allclose(flat_params(a), flat_params(b), rtol=1e-6, atol=1e-7)
+                    else [f"{maxdiff(flat_params(a), flat_params(b)):.3g} from DDP's averaging"])
+
+
+class _Bucket:
+    """What a DDP communication hook is handed (GradBucket's methods that the hooks use)."""
+
+    def __init__(self, params):
+        self._params = params
+        self._buf = torch.cat([p.grad.reshape(-1) for p in params])
+        at, self._grads = 0, []
+        for p in params:
+            self._grads.append(self._buf[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+
+    def buffer(self):
+        return self._buf
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+
+def test_hooks_return_a_future_of_the_bucket_and_states_pickle():
+    import pickle
+
+    model = make_model(7)
+    loss_of(model, R(), 1).backward()
+    params = list(model.parameters())
+    state = st.TopKHookState(model.named_parameters(), slamb_comm.TopK(0.1))
+    fut = st.topk_hook(state, _Bucket(params))
+    out = fut.wait()
+    failed = [] if isinstance(fut, torch.futures.Future) and out.shape == (N_ALL,) else ["not a Future of the bucket"]
+    again = pickle.loads(pickle.dumps(state))  # no process group inside; the error buffers come along
+    if set(again.state_dict()) != {n for n, _ in model.named_parameters()}:
+        failed.append("the pickled top-k state lost its error buffers")
+    opt = slamb_opt(model)
+    hook_state = st.SlambHookState(opt)
+    fut = st.slamb_hook(hook_state, _Bucket(params))
+    if not torch.equal(fut.wait(), torch.cat([p.grad.reshape(-1) for p in params])):
+        failed.append("slamb_hook changed the gradients")
+    opt.step()
+    pickle.loads(pickle.dumps(hook_state))
+    gather_failures(failed)
+
+
+def test_plain_optimizer_without_compression_is_refused():
+    model = make_model(8)
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        st.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_public_api_has_docstrings():
+    import inspect
+
+    for name in st.__all__:
+        obj = getattr(st, name)
+        doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        assert doc and doc.strip(), f"slamb_comm.adapters.torch.{name} has no docstring"

@@ -1,0 +1,97 @@
+"""torch.distributed jobs launched as their users launch them: ``torchrun`` (through
+tests/launch.py, with an outer timeout), CPU processes on gloo.
+
+The exchanges themselves are compared with the dense references in
+mpi_tests/test_torch_dist.py; here: the DDP example runs and reports its bytes, a resumed
+run in new processes is bitwise the uninterrupted one, and a rank that raises ends the job.
+"""
+
+import time
+
+import pytest
+
+from launch import torchrun  # noqa: E402
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("mode", ["slamb", "topk"])
+def test_ddp_example_runs_and_reports_the_bytes_saved(mode):
+    proc = torchrun(2, "examples/ddp_slamb.py", "--steps", "12", "--mode", mode)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    line = next(l for l in out.splitlines() if l.startswith("ranks 2: 12 steps"))
+    saved = float(line.split("bytes, ")[1].split("%")[0])
+    assert 30 < saved < 100, line  # sparse: well under DDP's dense allreduce even with the step-1 sync
+
+
+RESUME = """
+import sys, torch, torch.distributed as dist
+from slamb_comm.adapters import torch as st
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+start, stop, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+# another mask seed when resuming: the checkpoint's must win
+opt = st.DistributedOptimizer(st.SLAMB(ddp.parameters(), lr=0.01, ratio=0.25, dense_threshold=100, sync_interval=4,
+                                       seed=11 if start == 0 else 12), named_parameters=model.named_parameters())
+ddp.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+if start:
+    saved = torch.load(f"{path}.{rank}")  # every rank its own state: SLAMB's moments are per rank
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+for t in range(start + 1, stop + 1):
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}.{rank}")
+dist.destroy_process_group()
+"""
+
+
+def test_resume_in_new_processes_is_bitwise(tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME)
+    whole = torchrun(2, str(script), "0", "7", str(tmp_path / "a"))
+    assert whole.returncode == 0, (whole.stdout + whole.stderr)[-3000:]
+    first = torchrun(2, str(script), "0", "3", str(tmp_path / "b"))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    second = torchrun(2, str(script), "3", "7", str(tmp_path / "b"))
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    import torch
+
+    for rank in (0, 1):
+        a = torch.load(tmp_path / f"a.{rank}")["model"]
+        b = torch.load(tmp_path / f"b.{rank}")["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank}: the resumed run differs"
+
+
+FAILING = """
+import torch, torch.distributed as dist
+from slamb_comm.adapters import torch as st
+dist.init_process_group("gloo")
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+opt = st.DistributedOptimizer(st.SLAMB(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+for t in range(1, 10000):
+    if t == 3 and dist.get_rank() == 1:
+        raise RuntimeError("failing on purpose")
+    opt.zero_grad()
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+"""
+
+
+def test_a_rank_that_raises_ends_the_job(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING)
+    t0 = time.monotonic()
+    proc = torchrun(2, str(script), timeout=120)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137), out[-3000:]  # failed, and not by the outer timeout
+    assert "failing on purpose" in out, out[-3000:]
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to end"
