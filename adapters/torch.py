@@ -1236,6 +1236,7 @@ class _DistributedTopK(torch.optim.Optimizer):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._transport = coll.transport()  # None outside the process set: nothing exchanged
         self._topk = []
+        self._bucketed = set()
         self._add_buckets(self._requires_update if self._member else [])
 
     def _add_buckets(self, params):
@@ -1252,9 +1253,10 @@ class _DistributedTopK(torch.optim.Optimizer):
             comm = Communicator(self._transport, layout, ratio=c.ratio, value_dtype=c.value_dtype, seed=0,
                                 topk_dense=c.dense_threshold is not None)
             self._topk.append((key, ps, dt, comm))
+            self._bucketed.update(ps)
 
     def _known(self):
-        return {p for _, ps, _, _ in self._topk for p in ps} if self._member else set(self._requires_update)
+        return self._bucketed
 
     def _abandon(self):
         self._flag = None
