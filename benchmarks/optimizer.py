@@ -11,7 +11,7 @@ Arms (each on the same parameters and gradients, one thread on the CPU):
 * ``adamw-fused``: ``torch.optim.AdamW(fused=True)`` (the baseline on a GPU);
 * ``slamb-core``: :class:`slamb_comm.slamb.Slamb` on NumPy (CuPy on a GPU) views of the
   same tensors, one process, cyclic mask, k = 0.1, the default float32 payload;
-* ``slamb-adapter``: ``slamb_comm.adapters.horovod.SLAMB`` (the torch optimizer), same options;
+* ``slamb-adapter``: ``slamb_comm.adapters.torch.SLAMB`` (the torch optimizer), same options;
 * ``slamb-core-fp16``: ``slamb-core`` with the float16 payload (on the CPU NumPy converts
   float16 in software, about 3 ns per element each way, so this arm shows that cost).
 
@@ -75,7 +75,7 @@ def build_arm(arm, params):
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)
         return opt.step
     if arm == "slamb-adapter":
-        from slamb_comm.adapters.horovod import SLAMB
+        from slamb_comm.adapters.torch import SLAMB
 
         opt = SLAMB(params, lr=1e-3, weight_decay=0.01, **SLAMB_OPTS)
         return opt.step

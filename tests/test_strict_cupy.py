@@ -275,10 +275,9 @@ def test_defect6_adapter_runs_the_core_on_the_tensors_device_and_torchs_stream(s
     """Writes into torch memory must be ordered with torch's current stream on the tensor's
     device: the adapter makes that stream CuPy's current stream (no host synchronisation)."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("horovod.torch")
     import types
 
-    import slamb_comm.adapters.horovod as sh
+    import slamb_comm.adapters.torch as sh
 
     asked = []
 
