@@ -521,6 +521,8 @@ class Communicator:
             def flush(pieces, used, first):
                 nonlocal comm_s, fix
                 b = buf[: used + 1] if first else buf[:used]
+                if first:
+                    buf[used] = 0  # the status word, set by reduce_checked; not scratch garbage meanwhile
                 if P > 1:
                     b *= scale
                 c0 = time.perf_counter()
