@@ -157,7 +157,14 @@ class _TorchCollectives:
     ``member``, ``size``, ``rank``, ``device`` (where flag tensors live), ``allreduce_async`` /
     ``wait`` (in place; Sum, or Average with pre- and post-scaling), ``allreduce`` (Sum, in
     place), ``allgather`` (concatenated along dim 0), ``transport()`` (for the core; None outside
-    the group) and ``recognise(opt)``."""
+    the group) and ``recognise(opt)``.
+
+    Horovod matches collectives by name; torch.distributed by the order in which each rank
+    issues them. Gradient hooks fire in an order that can differ between ranks (a parameter
+    without a gradient on one rank is launched later, from ``synchronize()``), so outside DDP the
+    asynchronous allreduces are queued and issued at the first ``wait`` (or blocking call), sorted
+    by name: the same order everywhere. Under DDP (``immediate``) they start at once, from DDP's
+    bucket hooks, which run in the same order on every rank."""
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -166,25 +173,44 @@ class _TorchCollectives:
         self.member, self.size, self.rank = _group_size_rank(group)
         nccl = self.member and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.immediate = False
+        self._queued = []
+
+    def _start(self, h):
+        if h["pre"] != 1.0:
+            h["t"].mul_(h["pre"])
+        h["work"] = dist.all_reduce(h["t"], group=self.group, async_op=True)
+
+    def _issue(self):
+        queued, self._queued = self._queued, []
+        for h in sorted(queued, key=lambda h: h["name"]):
+            self._start(h)
 
     def allreduce_async(self, t, name, average=False, prescale=1.0, postscale=1.0):
-        if prescale != 1.0:
-            t.mul_(prescale)
-        return dist.all_reduce(t, group=self.group, async_op=True), t, average, postscale
+        h = {"t": t, "name": name, "average": average, "pre": prescale, "post": postscale, "work": None}
+        if self.immediate:
+            self._start(h)
+        else:
+            self._queued.append(h)
+        return h
 
     def wait(self, handle):
-        work, t, average, postscale = handle
-        work.wait()
-        if average:
+        if handle["work"] is None:
+            self._issue()
+        handle["work"].wait()
+        t = handle["t"]
+        if handle["average"]:
             t.div_(self.size)
-        if postscale != 1.0:
-            t.mul_(postscale)
+        if handle["post"] != 1.0:
+            t.mul_(handle["post"])
         return t
 
     def allreduce(self, t, name):
+        self._issue()
         dist.all_reduce(t, group=self.group)
 
     def allgather(self, t, name):
+        self._issue()
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t, group=self.group)
         return torch.cat(out)
@@ -369,7 +395,7 @@ class _Engine:
 
     __slots__ = (
         "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
-        "open", "counts", "means", "wire", "launched", "encode_s", "payload",
+        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip",
     )
 
     def __init__(self, key, params, groups, names, dtype):
@@ -387,6 +413,7 @@ class _Engine:
         self.launched = {}
         self.encode_s = 0.0
         self.payload = 0
+        self.skip = set()  # tensors without a gradient on any rank at the open step
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -449,9 +476,13 @@ class SLAMB(torch.optim.Optimizer):
     Data types: float32 and float64 parameters are updated in place; float16 and bfloat16
     parameters are updated through a float32 copy and cast back (Horovod has no bfloat16;
     the exchange is float32 or float16 per ``value_dtype``). Parameters with
-    ``requires_grad=False`` are not optimised. A parameter whose gradient is ``None`` at a
-    step counts as a zero gradient (its moments decay and it still moves), unless no
-    parameter of its bucket has a gradient, in which case the bucket skips the step.
+    ``requires_grad=False`` at construction join when they become trainable (on every rank
+    alike). A parameter whose gradient is ``None`` on every rank at a step is left exactly as it
+    is (no moment decay, no weight decay, no move, freshness unchanged), as torch optimizers
+    and the reference code do; it still takes part in the exchange, with zeros, so no rank
+    waits. Where only some ranks have its gradient, the others count it as zero (Horovod's
+    convention). With the cyclic mask such a parameter's freshness is stored from then on (4
+    bytes per element of that parameter), since it no longer follows the mask's schedule.
     """
 
     def __init__(
@@ -611,6 +642,11 @@ class SLAMB(torch.optim.Optimizer):
             for key, buf in keys:
                 if key in raw[p]:
                     _tensor_of(buf[o:o + n]).view(shape).copy_(torch.as_tensor(raw[p][key]).detach())
+            if not stored and "freshness" in raw[p]:  # a tensor that once skipped a step left the schedule
+                i = e.index[p]
+                saved = torch.as_tensor(raw[p]["freshness"]).detach().reshape(-1).to(e.dtype).cpu()
+                if not torch.equal(saved, torch.from_numpy(e.rule.freshness(i).reshape(-1))):
+                    e.rule.keep_freshness(i, saved)
         self._publish(e)
 
     def _publish(self, e):
@@ -618,15 +654,16 @@ class SLAMB(torch.optim.Optimizer):
         live view where it is stored; for the cyclic mask it is derived, and appears only in
         :meth:`state_dict`."""
         r, lay = e.rule, e.comm.layout
-        for p, (o, n), shape in zip(e.params, lay.segments(), lay.shapes):
+        for i, (p, (o, n), shape) in enumerate(zip(e.params, lay.segments(), lay.shapes)):
             st = self.state[p]
             st["step"] = torch.tensor(float(r.t))
             st["exp_avg"] = _tensor_of(r.m[o:o + n]).view(shape)
             st["exp_avg_sq"] = _tensor_of(r.v[o:o + n]).view(shape)
-            if r.derived:
+            f = r.stored_freshness(i)
+            if f is None:
                 st.pop("freshness", None)
             else:
-                st["freshness"] = _tensor_of(r._f[o:o + n]).view(shape)
+                st["freshness"] = _tensor_of(f).view(shape)
             # a tensor, so that hvd.broadcast_optimizer_state writes it in place like the moments
             st["mask_seed"] = torch.tensor(int(e.comm.seed), dtype=torch.int64)
 
@@ -644,7 +681,7 @@ class SLAMB(torch.optim.Optimizer):
                 continue
             for i, p in enumerate(e.params):
                 k = index.get(id(p))
-                if k in sd["state"]:
+                if k in sd["state"] and e.rule.stored_freshness(i) is None:  # else a live view is there
                     sd["state"][k] = dict(sd["state"][k], freshness=torch.from_numpy(e.rule.freshness(i)))
         return sd
 
@@ -707,8 +744,9 @@ class SLAMB(torch.optim.Optimizer):
             self._pull(e)
             lr, wd = self._lr_wd(e)
             x = _Params(e)
+            skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
             with _cuda_scope(e.params[0].device):
-                e.rule.step(x, _Grads(e), lr=lr, weight_decay=wd, written=x.written)
+                e.rule.step(x, _Grads(e), lr=lr, weight_decay=wd, written=x.written, skip=skip)
             self._publish(e)
         return loss
 
@@ -806,16 +844,20 @@ def _init_common(opt, coll):
     opt._allreduce_delay = {}
 
 
-def _launch_trainable_flag(self):
+def _launch_trainable_flag(self, extra=()):
     """Once per step (from the first gradient hook, or from synchronize()): how many ranks have a
     parameter that became trainable after the optimizer was built (``requires_grad`` set later).
     One bit per rank (P / 31 int32 words, summed: distinct bits add up to their OR), asynchronous,
-    so Horovod fuses it with the step's other tensors."""
+    so Horovod fuses it with the step's other tensors. ``extra``: further int32 values to sum
+    alongside (their sums are left in ``self._flag_extra``)."""
     if self._flag is not None:
         return
     known = self._known()
     self._grown = [p for p in self._all_params if p.requires_grad and p not in known]
-    buf = torch.zeros((self._coll.size + 30) // 31, dtype=torch.int32, device=self._coll.device)
+    nw = (self._coll.size + 30) // 31
+    buf = torch.zeros(nw + len(extra), dtype=torch.int32, device=self._coll.device)
+    if len(extra):
+        buf[nw:] = torch.tensor(list(extra), dtype=torch.int32)
     if self._grown:
         r = self._coll.rank
         buf[r // 31] = 1 << (r % 31)
@@ -831,6 +873,7 @@ def _wait_trainable_flag(self):
     handle, _ = self._flag
     self._flag = False
     words = self._coll.wait(handle).tolist()
+    self._flag_extra = words[(self._coll.size + 30) // 31:]
     ranks = [r for r in range(self._coll.size) if words[r // 31] >> (r % 31) & 1]
     if not ranks:
         return []
@@ -961,18 +1004,21 @@ class _DistributedSlamb(torch.optim.Optimizer):
             e.launched[p] = None
             return
         buf = torch.empty(e.counts[i] + 1, dtype=_torch_dtype(e.wire), device=p.device)
-        # Status slot: 0, or inf if this rank's gradient is not finite (or its square would
-        # overflow v), computed on the device without a host read; NaN if a parameter of this rank
-        # no longer fits its bucket (it still takes part, with zeros). The Average spreads inf/NaN.
+        # Status slot: 0, or -1 where this rank has no gradient for p (the Average is then -1 only
+        # if no rank has one: p is left as it is), or inf if this rank's gradient is not finite (or
+        # its square would overflow v), computed on the device without a host read; NaN if a
+        # parameter of this rank no longer fits its bucket (it still takes part, with zeros). The
+        # Average spreads inf/NaN.
         if changed:
             buf.zero_()[-1] = math.nan
         else:
+            fine = -1.0 if p.grad is None else 0.0
             with _cuda_scope(p.device):
                 bad = e.rule.accumulate(i, g, out=_array(buf)[:-1])  # this rank's new momentum on M_t
             if isinstance(bad, (bool, np.bool_)):
-                buf[-1] = math.inf if bad else 0.0
+                buf[-1] = math.inf if bad else fine
             else:
-                buf[-1:].copy_(torch.where(torch.from_dlpack(bad), math.inf, 0.0).reshape(1))
+                buf[-1:].copy_(torch.where(torch.from_dlpack(bad), math.inf, fine).reshape(1))
         pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         name = f"slamb_comm.momentum.{e.names[i]}" + (".redo" if redo else "")
         handle = self._coll.allreduce_async(buf, name, average=True, prescale=pre, postscale=post)
@@ -992,7 +1038,9 @@ class _DistributedSlamb(torch.optim.Optimizer):
         """
         t1 = time.perf_counter()
         flags, results, failed, changed = [], [], [], None
+        absent = -1.0 + 0.5 / self._coll.size  # an averaged status at most this: no rank had a gradient
         for e in self._engines:
+            e.skip = set()
             if e.open and e.counts is not None:
                 for p, (handle, buf) in e.launched.items():
                     out = self._coll.wait(handle)
@@ -1002,6 +1050,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
             if e.open and e.counts is None:  # topk mask: the core's fused exchange, after all moments
                 try:
                     with _cuda_scope(e.params[0].device):
+                        # which parameters have a gradient on some rank (every rank takes part)
+                        have = torch.tensor([p.grad is not None for p in e.params], dtype=torch.int32,
+                                            device=self._coll.device)
+                        self._coll.allreduce(have, f"slamb_comm.have.{next(self._exchanges)}")
+                        e.skip = {i for i, c in enumerate(have.tolist()) if c == 0}
                         if self._layout_problem is not None:  # input the core rejects, collectively
                             e.comm.masked_allreduce([], e.rule.t + 1)
                         else:
@@ -1032,6 +1085,10 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
                 "the step was abandoned on every rank and no state was changed", (), names)
             return
+        if results:  # which parameters had a gradient on no rank: one host read for all
+            for (e, p, _), gone in zip(results, torch.stack([out[-1] <= absent for _, _, out in results]).tolist()):
+                if gone:
+                    e.skip.add(e.index[p])
         for e, p, out in results:  # the means, applied by step() (m is not touched before then)
             if e.means is None:
                 e.means = [None] * len(e.params)
@@ -1120,9 +1177,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
     def _launch_missing(self):
         missing = [p for p in self._requires_update
                    if not (self._where[p][0].open and p in self._where[p][0].launched)]
-        for p in missing:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for p in missing:  # a parameter without a gradient takes part with zeros (its status says so)
             self._launch(p)
 
     skip_synchronize = _skip_synchronize
@@ -1142,8 +1197,6 @@ class _DistributedSlamb(torch.optim.Optimizer):
             e.launched = {}
             e.payload = 0
         for p in self._requires_update:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
             self._launch(p, redo=True)
         self._finish_exchange()
 
@@ -1180,11 +1233,15 @@ class _DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             if not e.open:
                 continue
-            lr, wd = self._lr_wd(e)
             e.open = False
+            if len(e.skip) == len(e.params):  # no gradient anywhere in the bucket: no step at all
+                e.rule.abort_step()
+                e.means = None
+                continue
+            lr, wd = self._lr_wd(e)
             x = _Params(e)
             with _cuda_scope(e.params[0].device):
-                e.rule.apply(x, _Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written)
+                e.rule.apply(x, _Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written, skip=e.skip)
             e.means = None
             self._publish(e)
         self._consumed = {}
@@ -1271,7 +1328,6 @@ class _DistributedTopK(torch.optim.Optimizer):
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY)
             self._allreduce_delay[p] -= 1
-            _launch_trainable_flag(self)
             self._pending = True
         return hook
 
@@ -1299,8 +1355,13 @@ class _DistributedTopK(torch.optim.Optimizer):
         if not self._member:
             self._synchronized = True
             return
+        # One small Sum tells both which ranks have newly trainable parameters and, per parameter,
+        # how many ranks have a gradient for it: none means it is left exactly as it is.
+        before = list(self._requires_update)
+        _launch_trainable_flag(self, extra=[int(p.grad is not None) for p in before])
         grown = _wait_trainable_flag(self)
         self._flag = None
+        nowhere = {p for p, c in zip(before, self._flag_extra) if c == 0}
         if grown:  # unfrozen alike on every rank: exchanged from this step on, with zero error buffers
             self._add_buckets(grown)
             _register_hooks(self, grown)
@@ -1332,10 +1393,13 @@ class _DistributedTopK(torch.optim.Optimizer):
                 return
             raise
         for (_, ps, _, _), (comm, _, _) in zip(self._topk, means):
-            with _cuda_scope(ps[0].device):
-                comm.commit_residual()  # from the local gradients, still in p.grad
+            with _cuda_scope(ps[0].device):  # from the local gradients, still in p.grad
+                comm.commit_residual(skip={i for i, p in enumerate(ps) if p in nowhere})
         for (_, ps, _, comm), (_, _, mean) in zip(self._topk, means):
             for p, m in zip(ps, mean):
+                if p in nowhere:  # no rank had a gradient: the wrapped optimizer leaves it alone
+                    p.grad = None
+                    continue
                 out = _tensor_of(m)
                 if self._sum:
                     out = out * comm.size
@@ -1512,6 +1576,7 @@ class SlambHookState:
             raise TypeError("SlambHookState takes the DistributedOptimizer(SLAMB(...)) that you step, "
                             f"got {type(optimizer).__name__}")
         optimizer._ddp = True  # the hook launches the exchange; the parameters' own hooks stand down
+        optimizer._coll.immediate = True  # DDP's buckets come in the same order on every rank
         self.optimizer = optimizer
 
     def __getstate__(self):

@@ -22,8 +22,8 @@ dist = pytest.importorskip("torch.distributed")
 import slamb_comm  # noqa: E402
 from slamb_comm.adapters import torch as st  # noqa: E402
 from torch_reference import (  # noqa: E402
-    N_ALL, SHAPES, THRESHOLD, RefSlamb, RefTopK, flat_params, grads_at, loss_of, make_model, maxdiff,
-    topk_close, topk_counts,
+    N_ALL, SHAPES, THRESHOLD, RefSlamb, RefTopK, batch, close, flat_params, grads_at, loss_of, make_model, maxdiff,
+    set_flat, topk_close, topk_counts,
 )
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -285,3 +285,79 @@ def test_public_api_has_docstrings():
         obj = getattr(st, name)
         doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
         assert doc and doc.strip(), f"slamb_comm.adapters.torch.{name} has no docstring"
+
+
+# ============================================================================= parameters without a gradient
+LAST = (6, 7)  # the last Linear's weight and bias
+
+
+def loss_without_last(model, rank, step, drop):
+    """The usual loss, or (``drop``) one in which the last Linear takes no part: its gradient is None."""
+    if not drop:
+        return loss_of(model, rank, step)
+    x, _ = batch(rank, step)
+    return model[:6](x).square().mean()
+
+
+def grads_dropping(flat_x, rank, step, drop):
+    model = make_model(0)
+    set_flat(model, flat_x)
+    loss_without_last(model, rank, step, drop).backward()
+    return np.concatenate([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1).double().numpy()
+                           for p in model.parameters()])
+
+
+def dropped(t, r):
+    """The last Linear has no gradient on every rank at steps 3 and 4, and on rank 0 alone at step 6."""
+    return t in (3, 4) or (t == 6 and r == 0)
+
+
+@pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
+def test_slamb_parameter_without_gradient_on_every_rank_is_left_as_it_is(mask):
+    model = make_model(11)
+    opt = slamb_opt(model, sync_interval=3, mask=mask, seed=3)
+    (comm,) = opt.communicators
+    ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
+    failed = []
+    for t in range(1, 9):
+        xs = everyones_params(model)
+        grads = np.stack([grads_dropping(xs[r], r, t, dropped(t, r)) for r in range(P())])
+        everywhere = all(dropped(t, r) for r in range(P()))
+        mask_t = np.asarray(comm.mask.select(t))
+        last = [p.detach().clone() for p in model[6].parameters()]
+        opt.zero_grad()
+        loss_without_last(model, R(), t, dropped(t, R())).backward()
+        opt.step()
+        ref.step(grads, mask_t, skip=LAST if everywhere else ())
+        if not close(flat_params(model), ref.x[R()]):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 1")
+        if everywhere and (t - 1) % 3 and not all(torch.equal(a, b) for a, b in zip(last, model[6].parameters())):
+            failed.append(f"step {t}: a parameter without any gradient moved")
+    f = np.concatenate([opt.state_dict()["state"][k]["freshness"].reshape(-1).double().numpy() for k in range(8)])
+    if not np.allclose(f, ref.f, rtol=1e-6, atol=0):
+        failed.append(f"freshness {maxdiff(f, ref.f):.3g} from the reference's")
+    gather_failures(failed)
+
+
+def test_topk_parameter_without_gradient_on_every_rank_is_left_as_it_is():
+    model, twin = make_model(12), make_model(12)
+    opt = st.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), compression=slamb_comm.TopK(0.1))
+    ref = RefTopK(twin, torch.optim.Adam(twin.parameters(), lr=0.01), topk_counts(0.1), P())
+    failed = []
+    for t in range(1, 8):
+        x = flat_params(model)
+        grads = [grads_dropping(x, r, t, dropped(t, r)) for r in range(P())]
+        everywhere = all(dropped(t, r) for r in range(P()))
+        tensors = [i not in LAST for i in range(len(SHAPES))] if everywhere else None
+        ref.apply(ref.exchange(grads, P(), range(P()), tensors=tensors), tensors=tensors)
+        opt.zero_grad()
+        loss_without_last(model, R(), t, dropped(t, R())).backward()
+        opt.step()
+        if not topk_close(flat_params(model), ref.x()):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x()):.3g} from section 2")
+        if everywhere and model[6].weight.grad is not None:
+            failed.append(f"step {t}: p.grad was made for a parameter without any gradient")
+    if not np.allclose(opt.communicators[0].residual, ref.errors[R()], rtol=1e-5, atol=1e-6):
+        failed.append("error buffers differ from the reference's")
+    gather_failures(failed)

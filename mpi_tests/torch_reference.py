@@ -109,17 +109,23 @@ class RefSlamb:
         ok = (xn > 0) & (un > 0)
         return np.where(ok, np.clip(xn / np.where(ok, un, 1.0), self.c_min, self.c_max), 1.0)
 
-    def step(self, grads, mask, active=None):
+    def step(self, grads, mask, active=None, skip=()):
+        """``skip``: tensors without a gradient on any rank at this step, left exactly as they are
+        (no moment decay, no update, freshness unchanged); they still count in the periodic sync."""
         active = list(range(self.rows)) if active is None else list(active)
         self.t = t = self.t + 1
         b1, b2 = self.b1, self.b2
+        keep = np.ones(self.m.shape[1], bool)
+        for i in skip:
+            keep[self.starts[i]:self.starts[i] + self.sizes[i]] = False
+        mask = np.asarray(mask)[keep[np.asarray(mask)]] if len(mask) else np.asarray(mask, int)
         for r in active:                                             # 1. local moments
-            self.m[r] = b1 * self.m[r] + (1 - b1) * grads[r]
-            self.v[r] = b2 * self.v[r] + (1 - b2) * grads[r] * grads[r]
+            self.m[r][keep] = b1 * self.m[r][keep] + (1 - b1) * grads[r][keep]
+            self.v[r][keep] = b2 * self.v[r][keep] + (1 - b2) * grads[r][keep] * grads[r][keep]
         mean = sum(self.m[r][mask] for r in active) / self.P         # 3. masked momentum mean
         for r in active:
             self.m[r][mask] = mean
-        self.f = self.b3 * self.f                                    # 4. freshness
+        self.f[keep] = self.b3 * self.f[keep]                        # 4. freshness
         self.f[mask] = 1.0
         fresh = self.f == 1.0
         for r in active:
@@ -129,7 +135,7 @@ class RefSlamb:
             phi_s = np.repeat(self._phi(self._per_layer(x2 * fresh), self._per_layer(u2 * fresh)), self.sizes)
             phi_a = np.repeat(self._phi(self._per_layer(x2 * ~fresh), self._per_layer(u2 * ~fresh)), self.sizes)
             rate = self.lr * phi_s * self.f + self.lr / math.sqrt(self.P) * phi_a * (1 - self.f)
-            self.x[r] = self.x[r] - rate * u                         # 7. element-wise update
+            self.x[r][keep] = (self.x[r] - rate * u)[keep]           # 7. element-wise update
         if (t - 1) % self.H == 0:                                    # 8. periodic sync (the ranks stepping)
             xm = sum(self.x[r] for r in active) / len(active)
             for r in active:

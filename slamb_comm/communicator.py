@@ -457,9 +457,10 @@ class Communicator:
             return lay.views(out)
         return out
 
-    def commit_residual(self):
+    def commit_residual(self, skip=()):
         """Apply the last :meth:`sparse_allgather`'s error feedback, ``e = x + e - sent`` (``x + e``
-        recomputed: the same bits as what was sent from)."""
+        recomputed: the same bits as what was sent from). Tensors in ``skip`` keep their error
+        buffer as it was (a tensor that had no gradient on any rank)."""
         if self._uncommitted is None:
             raise RuntimeError("no sparse_allgather to commit")
         xp, views, send = self._uncommitted
@@ -470,6 +471,8 @@ class Communicator:
             with _arr.device_scope(views[0] if len(lay) else np.zeros(0)):
                 self.residual = xp.zeros(lay.total, lay.dtype)
         for i, e in enumerate(lay.flat_views(self.residual)):
+            if i in skip:
+                continue
             a, k = w.starts[i], w.counts[i]
             e += views[i]
             if k:

@@ -144,6 +144,9 @@ class Slamb:
         self._xp = None
         self.m = self.v = None
         self._f = None  # stored freshness (bernoulli and topk masks only)
+        # Cyclic mask: stored freshness of the tensors that once skipped a step (no gradient on any
+        # rank), whose freshness then no longer follows the schedule. Empty unless that happens.
+        self._fx = {}
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
 
@@ -195,6 +198,7 @@ class Slamb:
                 self.v = xp.asarray(host["v"]) if "v" in host else xp.zeros(n, dt)
                 if not self.derived:
                     self._f = xp.asarray(host["f"]) if "f" in host else xp.ones(n, dt)
+                self._fx = {i: xp.asarray(a) for i, a in host.get("fx", {}).items()}
             self._host = None
             self._xp = xp
         elif self._xp is not xp:
@@ -222,6 +226,10 @@ class Slamb:
         parts = []
         for k in idx:
             n = lay.sizes[k]
+            fx = self._host.get("fx", {}) if self._host is not None else self._fx
+            if self.derived and k in fx:
+                parts.append(_arr.to_host(fx[k]).copy())
+                continue
             if not self.derived:
                 f = self._host["f"] if self._host is not None and "f" in self._host else self._f
                 parts.append(np.ones(n, lay.dtype) if f is None else
@@ -238,6 +246,24 @@ class Slamb:
             return parts[0].reshape(lay.shapes[i])
         return np.concatenate(parts) if parts else np.zeros(0, lay.dtype)
 
+    def stored_freshness(self, i):
+        """Tensor ``i``'s stored freshness (a live 1-D view), or None where it is derived from the
+        cyclic mask's schedule."""
+        if not self.derived:
+            o, n = self.layout.offsets[i], self.layout.sizes[i]
+            return None if self._f is None else self._f[o : o + n]
+        return self._fx.get(i)
+
+    def keep_freshness(self, i, f):
+        """Store tensor ``i``'s freshness ``f`` (cyclic mask: for a tensor whose freshness left the
+        schedule because it once skipped a step; used when such a state is restored)."""
+        if not self.derived:
+            raise RuntimeError("only the cyclic mask derives freshness; the others store all of it")
+        if self._xp is None:
+            raise RuntimeError("place() the state first")
+        host = np.array(_arr.to_host(_arr.as_array(f)), dtype=self.layout.dtype).reshape(-1)
+        self._fx[i] = self._xp.asarray(host)
+
     def state_dict(self):
         """This rank's state: step, m, v, f (host copies; f derived where the mask allows) and
         the communicator's state."""
@@ -249,6 +275,7 @@ class Slamb:
             "m": host(src.get("m")),
             "v": host(src.get("v")),
             "f": self.freshness() if have else None,
+            "skipped": sorted((self._host or {}).get("fx", {}) if self._host is not None else self._fx),
             "comm": self.comm.state_dict(),
         }
 
@@ -262,6 +289,7 @@ class Slamb:
         self.t = int(state["step"])
         self._xp = None
         self.m = self.v = self._f = None
+        self._fx = {}
         self._scratch = {}
         if state["m"] is None:
             self._host = None
@@ -272,6 +300,11 @@ class Slamb:
             if np.shape(state[k]) != (n,):
                 raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({n},)")
         self._host = {k: np.array(_arr.to_host(state[k]), dtype=dt, copy=True) for k in keys}
+        if self.derived and state.get("skipped"):  # tensors whose freshness left the schedule
+            f = _arr.to_host(state["f"])
+            lay = self.layout
+            self._host["fx"] = {int(i): np.array(f[lay.offsets[i] : lay.offsets[i] + lay.sizes[i]], dtype=dt)
+                                for i in state["skipped"]}
 
     # ------------------------------------------------------------------ pieces
     def begin_step(self):
@@ -463,7 +496,7 @@ class Slamb:
             1, payload, allreduce_wire(payload, comm.size), dense, allreduce_wire(dense, comm.size),
             buf.size - 1, lay.total))
 
-    def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None):
+    def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None, skip=()):
         """Finish the open step on parameters ``x`` (in place) with the gradients ``grads``.
 
         ``x`` and ``grads``: fused buffers, lists of arrays shaped like the layout, or lazily
@@ -472,6 +505,12 @@ class Slamb:
         ``None`` after :meth:`exchange`. Commits the moments, then per tensor the direction,
         the trust ratios and the update; then the periodic sync after steps with
         ``(t - 1) % H == 0``. ``written(i)`` is called once tensor i of ``x`` is final.
+
+        ``skip``: tensors that had no gradient on any rank at this step (the caller's agreement).
+        They are left exactly as they are (ALGORITHM.md section 1, "Parameters without a
+        gradient"): no moment decay, no update, freshness unchanged. With the cyclic mask such
+        a tensor's freshness is stored from then on (4 bytes per element of that tensor), since
+        it no longer follows the schedule.
         """
         t = self._open()
         lay, comm = self.layout, self.comm
@@ -510,6 +549,13 @@ class Slamb:
             if xi.dtype != lay.dtype or xi.size != n:
                 raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
                                   f"expected {n} {lay.dtype.name}")
+            if i in skip:
+                if self.derived and i not in self._fx:  # keep f as it was after step t - 1
+                    with _arr.device_scope(xi):
+                        self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
+                if written is not None:
+                    written(i)
+                continue
             with _arr.device_scope(xi):
                 fin = self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F, sync)
             if sync:
@@ -540,7 +586,7 @@ class Slamb:
         dtype = lay.dtype
         dt = dtype.type
         m, v = self.m[o : o + n], self.v[o : o + n]
-        f = None if self.derived else self._f[o : o + n]
+        f = self._fx.get(i) if self.derived else self._f[o : o + n]
         b1, b2 = self.betas
         picks = self.picks(i, xp)
         everything = picks.kind == "all"
@@ -649,11 +695,13 @@ class Slamb:
         ratio = xp.clip(xn / xp.where(ok, un, 1.0), self.c_min, self.c_max)
         return xp.where(ok, ratio, 1.0)
 
-    def step(self, x, g, lr=None, weight_decay=None, written=None):
+    def step(self, x, g, lr=None, weight_decay=None, written=None, skip=()):
         """One whole SLAMB step: ``x`` updated in place from this rank's gradient ``g``.
 
         ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
-        read sequences, with ``written`` as in :meth:`apply`).
+        read sequences, with ``written`` as in :meth:`apply`). ``skip``: tensors without a
+        gradient on every rank (the same on every rank; see :meth:`apply`); they still take
+        part in the exchange with whatever ``g`` holds for them (zeros).
         """
         self.begin_step()
         try:
@@ -672,7 +720,7 @@ class Slamb:
             log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
                         self.t + 1, self.skipped_steps, e)
             return x
-        return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written)
+        return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
 
 
 def _starts(counts):
