@@ -1066,8 +1066,11 @@ class _DistributedSlamb(torch.optim.Optimizer):
                     changed = err
                     break
         t2 = time.perf_counter()
-        bad = []
-        if flags and not bool(torch.stack(flags).all()):
+        bad, gone = [], []
+        if flags:  # one host read: every exchange's finiteness, and which parameters no rank had a gradient for
+            words = torch.stack([torch.stack(flags).all()] + [out[-1] <= absent for _, _, out in results]).tolist()
+            finite, gone = words[0], words[1:]
+        if flags and not finite:
             bad = [(e, p) for e, p, out in results if not bool(torch.isfinite(out).all())]
             if changed is None and any(bool(torch.isnan(out[-1])) for _, _, out in results):
                 changed = True
@@ -1085,10 +1088,9 @@ class _DistributedSlamb(torch.optim.Optimizer):
                 f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
                 "the step was abandoned on every rank and no state was changed", (), names)
             return
-        if results:  # which parameters had a gradient on no rank: one host read for all
-            for (e, p, _), gone in zip(results, torch.stack([out[-1] <= absent for _, _, out in results]).tolist()):
-                if gone:
-                    e.skip.add(e.index[p])
+        for (e, p, _), nobody in zip(results, gone):
+            if nobody:
+                e.skip.add(e.index[p])
         for e, p, out in results:  # the means, applied by step() (m is not touched before then)
             if e.means is None:
                 e.means = [None] * len(e.params)
