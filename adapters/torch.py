@@ -693,7 +693,7 @@ class SLAMB(torch.optim.Optimizer):
         t, seed = int(float(st["step"])), int(st["mask_seed"])
         same_views = st["exp_avg"].data_ptr() == _tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
         if t != e.rule.t or seed != e.comm.seed or not same_views:
-            if self._slamb_transport is not None and not getattr(self, "_loaded_here", False):
+            if self._slamb_transport is not None:  # a local load imports at once, never here
                 _log.warning(
                     "slamb_comm: SLAMB state of bucket %s was replaced from outside (a broadcast, e.g. "
                     "hvd.broadcast_optimizer_state after rank 0 loaded a checkpoint): this rank continues from "
@@ -753,7 +753,6 @@ class SLAMB(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output exactly (moments stay in their saved precision)."""
         self._options_agreed = False
-        self._loaded_here = True  # what the next step imports came from this rank's own load
         raw = _saved_state_by_param(self, state_dict)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
@@ -1210,7 +1209,6 @@ class _DistributedSlamb(torch.optim.Optimizer):
         step their optimizer on the local gradient."""
         if not self._member:
             return super(self.__class__, self).step(closure)
-        self._loaded_here = False
         explicit = self._synchronized
         if self._should_synchronize:
             if self._synchronized:
