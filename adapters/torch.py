@@ -226,6 +226,16 @@ class _TorchCollectives:
 _MASKS = ("cyclic", "bernoulli", "topk")
 
 
+def _schedule(e):
+    """Bucket ``e``'s ratio changes that its cyclic mask still follows, as [[chunks, step], ...]
+    (integers: a checkpoint keeps them exactly, where torch would cast a float tensor to the
+    parameters' dtype); None if it has had none."""
+    mask = e.comm.mask
+    if mask.kind != "cyclic" or (mask.origin == 0 and mask.prev is None):
+        return None
+    return [[m.num_chunks, m.origin] for m in mask.levels()]
+
+
 def _state_dtype(dtype):
     """The dtype slamb_comm computes in for parameters of ``dtype``: 16-bit -> float32."""
     if dtype == torch.float64:
@@ -438,7 +448,9 @@ class SLAMB(torch.optim.Optimizer):
         betas: ``(beta1, beta2)`` of the moments (bias-corrected).
         eps: added to ``sqrt(vhat)``.
         weight_decay: decoupled weight decay inside the LAMB direction.
-        ratio: k, the fraction of each large tensor's momentum exchanged per step.
+        ratio: k, the fraction of each large tensor's momentum exchanged per step. It may
+            change between steps (a schedule: set ``param_group["ratio"]`` on every rank
+            alike); the change applies from the next step, see :meth:`slamb_comm.slamb.Slamb.set_ratio`.
         beta3: freshness decay; stale element i moves with
             ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
         sync_interval: H; parameters are averaged over ranks after steps 1, H+1, 2H+1, ...
@@ -632,6 +644,14 @@ class SLAMB(torch.optim.Optimizer):
                                  + (f" or lacks parameter(s) {missing[:5]}" if missing else ""))
             step = steps.pop()
             comm_state["seed"] = int(raw[have[0]].get("mask_seed", comm_state["seed"]))
+            sched = raw[have[0]].get("mask_schedule")
+            if sched is not None and e.key[3][1] == "cyclic":
+                sched = [(int(c), int(o)) for c, o in torch.as_tensor(sched).tolist()]
+                if sched[-1][0] != e.comm.mask.num_chunks:
+                    raise ValueError(f"the saved mask schedule (chunks, step) {sched} ends at {sched[-1][0]} chunks, "
+                                     f"but the parameter group's ratio {e.comm.ratio} makes {e.comm.mask.num_chunks}")
+                ratios = [1.0 / c for c, _ in sched[:-1]] + [e.comm.ratio]  # a cyclic mask's ratio is its C
+                comm_state["mask"] = dict(comm_state["mask"], schedule=[(k, o) for k, (_, o) in zip(ratios, sched)])
         e.rule.load_state_dict({"step": step, "m": None, "v": None, "f": None, "comm": comm_state})
         with _cuda_scope(e.params[0].device):
             e.rule.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
@@ -666,6 +686,11 @@ class SLAMB(torch.optim.Optimizer):
                 st["freshness"] = _tensor_of(f).view(shape)
             # a tensor, so that hvd.broadcast_optimizer_state writes it in place like the moments
             st["mask_seed"] = torch.tensor(int(e.comm.seed), dtype=torch.int64)
+            sched = _schedule(e)
+            if sched is None:
+                st.pop("mask_schedule", None)
+            else:  # the cyclic mask's ratio changes that still decide its freshness: [(chunks, step)]
+                st["mask_schedule"] = torch.tensor(sched, dtype=torch.int64)
 
     def state_dict(self):
         """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
@@ -692,7 +717,9 @@ class SLAMB(torch.optim.Optimizer):
         st = self.state[e.params[0]]
         t, seed = int(float(st["step"])), int(st["mask_seed"])
         same_views = st["exp_avg"].data_ptr() == _tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
-        if t != e.rule.t or seed != e.comm.seed or not same_views:
+        sched = st.get("mask_schedule")
+        same_schedule = (None if sched is None else sched.tolist()) == _schedule(e)
+        if t != e.rule.t or seed != e.comm.seed or not same_views or not same_schedule:
             if self._slamb_transport is not None:  # a local load imports at once, never here
                 _log.warning(
                     "slamb_comm: SLAMB state of bucket %s was replaced from outside (a broadcast, e.g. "
@@ -709,11 +736,34 @@ class SLAMB(torch.optim.Optimizer):
                                   "sync_interval/c_min/c_max; change them for every group at once")
         for g in e.groups:
             c = self._knobs(g)[1]
-            if c[:5] != e.key[3][:5]:
-                raise ConfigError("ratio, mask, value_dtype, dense_threshold and block are fixed at construction "
-                                  f"(built with {e.key[3][:5]}, the group now says {c[:5]})")
+            if c[1:5] != e.key[3][1:5]:
+                raise ConfigError("mask, value_dtype, dense_threshold and block are fixed at construction "
+                                  f"(built with {e.key[3][1:5]}, the group now says {c[1:5]}); the ratio may change")
+        self._requested_ratio(e)
         r = e.rule
         r.betas, r.eps, r.beta3, r.sync_interval, r.c_min, r.c_max, r.on_nonfinite = rule_k
+
+    def _requested_ratio(self, e):
+        """The ratio the bucket's parameter groups ask for now (a schedule may have changed it);
+        ConfigError if groups that share the bucket disagree."""
+        asked = {check_ratio(g["ratio"]) for g in e.groups}
+        if len(asked) != 1:
+            raise ConfigError(f"parameter groups that share a SLAMB bucket ask for different ratios {sorted(asked)}; "
+                              "change the ratio of every group of the bucket at once")
+        return asked.pop()
+
+    def _set_ratio(self, e, problem=None):
+        """Move bucket ``e`` to its groups' ratio from the next step on (collective when
+        distributed: every rank alike, or ConfigError/PeerError everywhere and nothing changes)."""
+        k = e.comm.ratio
+        if problem is None:
+            try:
+                k = self._requested_ratio(e)
+            except ConfigError as err:
+                problem = err
+        e.rule.set_ratio(k) if problem is None else e.comm.set_ratio(k, e.rule.t, problem=problem)
+        e.key = e.key[:3] + ((e.comm.ratio,) + e.key[3][1:],) + e.key[4:]
+        self._publish(e)
 
     def _lr_wd(self, e):
         return [float(g["lr"]) for g in e.groups], [float(g["weight_decay"]) for g in e.groups]
@@ -742,6 +792,8 @@ class SLAMB(torch.optim.Optimizer):
             if all(p.grad is None for p in e.params):
                 continue
             self._pull(e)
+            if self._requested_ratio(e) != e.comm.ratio:  # a ratio schedule: from this step on
+                self._set_ratio(e)
             lr, wd = self._lr_wd(e)
             x = _Params(e)
             skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
@@ -758,6 +810,9 @@ class SLAMB(torch.optim.Optimizer):
         for g in self.param_groups:
             self._check_options(g)
         engines = self._ensure_engines()
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        for e in engines:  # torch's load made new group dicts: read options (an lr schedule's) from those
+            e.groups = [group_of[p] for p in e.params]
         ages = {p: int(float(st["step"])) for p, st in raw.items() if "step" in st}
         if any(self._knobs(g)[1][:5] != e.key[3][:5] for e in engines for g in e.groups) or any(
             len({ages.get(p, 0) for p in e.params}) > 1 for e in engines
@@ -843,14 +898,16 @@ def _init_common(opt, coll):
     opt._allreduce_delay = {}
 
 
-def _launch_trainable_flag(self, extra=()):
+def _launch_trainable_flag(self, extra=None):
     """Once per step (from the first gradient hook, or from synchronize()): how many ranks have a
     parameter that became trainable after the optimizer was built (``requires_grad`` set later).
     One bit per rank (P / 31 int32 words, summed: distinct bits add up to their OR), asynchronous,
     so Horovod fuses it with the step's other tensors. ``extra``: further int32 values to sum
-    alongside (their sums are left in ``self._flag_extra``)."""
+    alongside (their sums are left in ``self._flag_extra``); by default ``self._flag_words()``."""
     if self._flag is not None:
         return
+    if extra is None:
+        extra = self._flag_words()
     known = self._known()
     self._grown = [p for p in self._all_params if p.requires_grad and p not in known]
     nw = (self._coll.size + 30) // 31
@@ -931,6 +988,22 @@ class _DistributedSlamb(torch.optim.Optimizer):
 
     def _known(self):
         return self._where
+
+    def _flag_words(self):
+        """Sent with the per-step flag: whether this rank's groups ask for a new ratio."""
+        def asks(e):
+            try:
+                return self._requested_ratio(e) != e.comm.ratio
+            except ConfigError:
+                return True  # groups of a bucket disagree: the change fails collectively, with this error
+        return [int(any(asks(e) for e in self._engines))]
+
+    def _change_ratios(self):
+        """Some rank asked for a new ratio: every rank moves every bucket to its groups' ratio,
+        collectively (each bucket one 3-word agreement); if the ranks disagree, ConfigError on
+        those that changed it, PeerError on the others, and nothing changes."""
+        for e in self._engines:
+            self._set_ratio(e)
 
     def add_param_group(self, param_group):
         """Only during construction: the hooks and buckets of a distributed SLAMB are fixed."""
@@ -1153,12 +1226,16 @@ class _DistributedSlamb(torch.optim.Optimizer):
             return
         self._launch_missing()
         grown = _wait_trainable_flag(self)
-        if grown:  # every rank unfroze the same parameters: adopt them (collectively), redo the exchange
+        rerate = self._flag_extra[0] > 0  # some rank's groups ask for a new ratio (a schedule)
+        if grown or rerate:  # both collective decisions: abandon this exchange and redo it after
             self._abandon()
-            self._build_engines()  # keeps the state; the new parameters get a bucket of their own, at step 0
-            self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
-            _register_hooks(self, grown)
-            self._options_agreed = False
+            if rerate:  # every rank alike, from this step on (or an error on every rank)
+                self._change_ratios()
+            if grown:  # every rank unfroze the same parameters: adopt them (collectively)
+                self._build_engines()  # keeps the state; the new parameters get a bucket of their own, at step 0
+                self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
+                _register_hooks(self, grown)
+                self._options_agreed = False
             self._flag = False
             self._launch_missing()
         self._finish_exchange()
@@ -1295,6 +1372,9 @@ class _DistributedTopK(torch.optim.Optimizer):
         self._topk = []
         self._bucketed = set()
         self._add_buckets(self._requires_update if self._member else [])
+
+    def _flag_words(self):
+        return []
 
     def _add_buckets(self, params):
         """One fused top-k Communicator per (device, dtype) of ``params`` (collective). Parameters

@@ -81,4 +81,6 @@ if rank == 0:
     print(f"ranks {size}: {args.steps} steps ({args.mode}), payload {sent / 1e6:.3f} MB vs DDP's dense allreduce "
           f"{args.steps * dense / 1e6:.3f} MB: {sent / (args.steps * dense):.1%} of the bytes, "
           f"{1 - sent / (args.steps * dense):.1%} saved", flush=True)
+dist.barrier()  # every rank done with the group before any tears its connections down
+del optimizer, ddp, stats  # their gloo work objects go before the group does
 dist.destroy_process_group()

@@ -677,3 +677,45 @@ def test_topk_dense_threshold_counts_and_training(dense_threshold):
         chk(topk_close(flat_params(model), ref.x()), f"step {t}: {maxdiff(flat_params(model), ref.x()):.3g}")
     chk(same_on_all_ranks(model, f"idioms.dense.same.{dense_threshold}"), "replicas differ")
     chk.done()
+
+
+# ============================================================================= 11. ratio schedule
+SCHEDULE = {4: 0.1, 6: 0.5, 8: 1.0, 9: 0.25}  # 0.25 -> 0.1 -> 0.5 after 2 of 0.1's 10 steps -> ...
+
+
+def test_slamb_ratio_schedule_matches_section1():
+    """``param_group['ratio']`` changed between steps on every rank (a schedule, as the
+    reference's CIFAR-10 runs): section 1 with f carried through every change, at every step."""
+    model = make_model(61)
+    opt = slamb_opt(model, sync_interval=3, seed=4)
+    ref = RefSlamb(flat_params(model), SHAPES, hvd.size(), lr=0.02, wd=0.01, beta3=0.9, H=3)
+    mask = mask_of(opt)
+    checks = Checks()
+    for t in range(1, 13):
+        if t in SCHEDULE:
+            opt.param_groups[0]["ratio"] = SCHEDULE[t]
+        xs = everyones_params(model, f"sched.x.{t}")
+        grads = np.stack([grads_at(xs[r], r, t) for r in range(hvd.size())])
+        step_once(model, opt, t)
+        ref.step(grads, mask(t))
+        checks(close(flat_params(model), ref.x[hvd.rank()]),
+                      f"step {t}: {maxdiff(flat_params(model), ref.x[hvd.rank()]):.3g} from section 1")
+    checks(opt.communicators[0].ratio == 0.25, f"ratio {opt.communicators[0].ratio}")
+    checks.done()
+
+
+def test_slamb_ratio_changed_on_one_rank_only_raises_on_every_rank():
+    need_ranks(2)
+    culprit = hvd.size() - 1
+    model = make_model(62)
+    opt = slamb_opt(model)
+    step_once(model, opt, 1)
+    before = flat_params(model)
+    if hvd.rank() == culprit:
+        opt.param_groups[0]["ratio"] = 0.5
+    with pytest.raises(slamb_comm.SlambCommError) as info:
+        step_once(model, opt, 2)
+    expected = slamb_comm.ConfigError if hvd.rank() == culprit else slamb_comm.PeerError
+    assert isinstance(info.value, expected), (type(info.value).__name__, str(info.value))
+    assert np.array_equal(flat_params(model), before) and int(opt.state[model[0].weight]["step"]) == 1
+    nobody_waits("ratio.one")

@@ -23,7 +23,8 @@ def rank_grads(r, t, xs, dtype):
     return [(0.5 * x.astype(np.float64) + rng.standard_normal(x.shape)).astype(dtype) for x in xs]
 
 
-def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True, block=1):
+def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True, block=1,
+        schedule=None):
     comm_world = MPI.COMM_WORLD
     P, me = comm_world.size, comm_world.rank
     x = rank_params(me, dtype)
@@ -35,6 +36,8 @@ def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=
     worst = 0.0
     for t in range(1, steps + 1):
         grads = [rank_grads(r, t, [a.astype(dtype) for a in ref.x[r]], dtype) for r in range(P)]
+        if schedule and t in schedule:  # a ratio schedule: the new ratio from step t on
+            opt.set_ratio(schedule[t])
         opt.step(x, [g.copy() for g in grads[me]])
         ref.step([[g.astype(np.float64) for g in gr] for gr in grads], comm.mask.select(t).index.astype(np.int64))
         for mine, want in zip(x, ref.x[me]):
@@ -60,6 +63,93 @@ def test_slamb_with_run_mask_matches_reference(block):
     _, _, comm, _, worst = run(0.1, np.float64, block=block)
     assert comm.mask.select(1).blocks is not None
     assert worst < 1e-9, worst
+
+
+# The reference implementation's CIFAR-10 schedule (0.5, 0.5, 0.2, then 0.1, per epoch) with
+# epochs of 4 steps; then changes before the previous ratio's first cycle is complete (0.1 ->
+# 0.3 after 4 of its 10 steps, 0.3 -> 1.0 -> 0.1), so that freshness follows three masks at once.
+SCHEDULE = {1: 0.5, 9: 0.2, 13: 0.1, 17: 0.3, 19: 1.0, 20: 0.1}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("block", [1, 16])
+def test_ratio_schedule_matches_reference(block):
+    """A ratio changed between steps (collectively, on every rank) equals the dense reference,
+    which keeps f = b3 f; f[M_t] = 1 through every change; after a change to k every element is
+    synchronised within ceil(1/k) steps; the freshness is derived throughout (none stored)."""
+    x, ref, comm, opt, worst = run(0.5, np.float64, steps=34, H=7, block=block, schedule=SCHEDULE)
+    assert worst < 1e-9, worst
+    assert opt._f is None and opt._fx == {}
+    np.testing.assert_allclose(opt.freshness(), np.concatenate([f.ravel() for f in ref.f]), rtol=1e-12)
+    assert comm.ratio == 0.1 and comm.mask.num_chunks == 10
+    lay = comm.layout
+    for start, k in SCHEDULE.items():  # the staleness bound of the new ratio, from the change on
+        C = int(np.ceil(1 / k - 1e-9))
+        end = min([s for s in SCHEDULE if s > start] + [35])
+        if end - start < C:
+            continue
+        seen = np.zeros(lay.total, bool)
+        mask = sc.masks.make_mask("cyclic", lay, k, comm.seed, block, [(k, start - 1)])
+        for t in range(start, start + C):
+            seen[mask.select(t).index] = True
+        assert seen.all(), (start, k)
+
+
+@pytest.mark.mpi
+def test_ratio_change_resumes_bitwise_mid_transition():
+    """A state saved two steps after 0.1 -> 0.25 (while freshness still follows both masks) and
+    loaded into a communicator built with the first ratio continues bitwise."""
+    me = MPI.COMM_WORLD.rank
+    sched = {4: 0.25, 9: 0.1}
+
+    def make():
+        x = rank_params(me, np.float32)
+        return x, Slamb(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01, sync_interval=6)
+
+    def steps(x, o, ts):
+        for t in ts:
+            if t in sched:
+                o.set_ratio(sched[t])
+            o.step(x, rank_grads(me, t, x, np.float32))
+
+    x1, o1 = make()
+    steps(x1, o1, range(1, 16))
+    x2, o2 = make()
+    steps(x2, o2, range(1, 6))
+    assert not o2.comm.mask.settled(o2.t)
+    saved_state, saved_x = o2.state_dict(), [a.copy() for a in x2]
+    x3, o3 = make()
+    for a, b in zip(x3, saved_x):
+        a[...] = b
+    o3.load_state_dict(saved_state)
+    assert o3.comm.ratio == 0.25 and o3.comm.mask.schedule() == o2.comm.mask.schedule()
+    steps(x3, o3, range(6, 16))
+    for a, b in zip(x1, x3):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.mpi
+def test_ratio_changed_on_one_rank_raises_on_every_rank():
+    P, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    if P < 2:
+        pytest.skip("needs 2 ranks")
+    x = rank_params(me, np.float32)
+    opt = Slamb(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01)
+    opt.step(x, rank_grads(me, 1, x, np.float32))
+    culprit = P - 1
+    if me == culprit:
+        with pytest.raises(sc.ConfigError, match="every rank alike"):
+            opt.set_ratio(0.5)
+    else:
+        with pytest.raises(sc.PeerError) as info:
+            opt.set_ratio(0.1)
+        assert info.value.ranks == (culprit,)
+    assert opt.comm.ratio == 0.1
+    with pytest.raises(sc.ConfigError):  # an invalid ratio on every rank
+        opt.set_ratio(0.0)
+    opt.set_ratio(0.2)  # then a good change, and a step, on every rank
+    opt.step(x, rank_grads(me, 2, x, np.float32))
+    assert opt.comm.ratio == 0.2 and opt.t == 2
 
 
 @pytest.mark.mpi

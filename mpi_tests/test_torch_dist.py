@@ -118,6 +118,72 @@ def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype):
     gather_failures(failed)
 
 
+# A ratio schedule as the reference's CIFAR-10 runs (denser first), with a change before the
+# previous ratio's first cycle is complete (0.25 for 2 of its 4 steps), to ratio 1 and back.
+SCHEDULE = {4: 0.25, 6: 0.1, 9: 1.0, 10: 0.2}
+
+
+@pytest.mark.parametrize("use_ddp", [False, True])
+def test_slamb_ratio_schedule_matches_section1_every_step(use_ddp):
+    """``param_group['ratio']`` changed between steps on every rank: from that step on, the
+    exchange follows the new ratio's mask (one abandoned exchange at the change) and the
+    result equals section 1 with f carried through every change."""
+    model = make_model(1)
+    net = ddp(model) if use_ddp else model
+    opt = slamb_opt(model, ratio=0.5, sync_interval=3, seed=5)
+    if use_ddp:
+        net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
+    (comm,) = opt.communicators
+    failed = []
+    for t in range(1, 14):
+        if t in SCHEDULE:
+            for g in opt.param_groups:
+                g["ratio"] = SCHEDULE[t]
+        xs = everyones_params(model)
+        grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
+        train_step(net, opt, t)
+        mask = np.asarray(comm.mask.select(t))  # after the step: the mask the change made
+        ref.step(grads, mask)
+        if not np.allclose(flat_params(model), ref.x[R()], rtol=2e-4, atol=2e-5):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 1")
+        o = sum(int(np.prod(s)) for s in SHAPES[:2])  # the 32x32 weight: compressible
+        if not np.allclose(opt.state_dict()["state"][2]["freshness"].reshape(-1), ref.f[o:o + 1024], rtol=1e-6):
+            failed.append(f"step {t}: freshness differs from section 1")
+    if comm.ratio != 0.2 or int(opt.state[model[0].weight]["step"]) != 13:
+        failed.append(f"ratio {comm.ratio}, step {int(opt.state[model[0].weight]['step'])}")
+    gather_failures(failed)
+
+
+def test_ratio_changed_on_one_rank_raises_on_every_rank_and_changes_nothing():
+    model = make_model(7)
+    opt = slamb_opt(model, seed=3)
+    train_step(model, opt, 1)
+    before = flat_params(model)
+    culprit = P() - 1
+    if R() == culprit:
+        opt.param_groups[0]["ratio"] = 0.5
+    failed = []
+    try:
+        train_step(model, opt, 2)
+        if P() > 1:
+            failed.append("no error")
+    except slamb_comm.ConfigError as err:
+        if R() != culprit or "every rank alike" not in str(err):
+            failed.append(f"ConfigError here: {err}")
+    except slamb_comm.PeerError as err:
+        if R() == culprit or err.ranks != (culprit,):
+            failed.append(f"PeerError here: {err}")
+    if P() > 1:
+        if not np.array_equal(flat_params(model), before) or int(opt.state[model[0].weight]["step"]) != 1:
+            failed.append("the refused change moved something")
+        opt.param_groups[0]["ratio"] = 0.25  # undone: training goes on
+        train_step(model, opt, 3)
+        if int(opt.state[model[0].weight]["step"]) != 2 or opt.communicators[0].ratio != 0.25:
+            failed.append("no step after the change was undone")
+    gather_failures(failed)
+
+
 def test_slamb_hook_keeps_gradients_local_and_launches_from_buckets():
     model = make_model(2)
     net = ddp(model)
@@ -174,6 +240,48 @@ def test_checkpoint_resumes_bitwise():
     for t in range(4, 7):
         train_step(model2, opt2, t)
     gather_failures([] if np.array_equal(flat_params(model2), want) else ["the resumed run is not bitwise the same"])
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_options_set_after_a_load_take_effect(wrapped):
+    """torch's load_state_dict makes new param_group dicts: an lr schedule writing into them
+    after a resume must still reach the update (lr = 0: nothing moves)."""
+    model = make_model(5)
+    opt = slamb_opt(model) if wrapped else st.SLAMB(model.parameters(), lr=0.02, dense_threshold=THRESHOLD)
+    train_step(model, opt, 1)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    before = flat_params(model)
+    train_step(model, opt, 2)
+    gather_failures([] if np.array_equal(flat_params(model), before) else ["lr = 0 after a load still moved"])
+
+
+def test_checkpoint_mid_ratio_change_resumes_bitwise():
+    """Saved two steps after 0.25 -> 0.1 (freshness still follows both masks): the checkpoint
+    carries the ratio (param group) and the mask's schedule; a new optimizer built with the
+    first ratio continues bitwise."""
+    def run(model, opt, ts):
+        for t in ts:
+            if t == 3:
+                opt.param_groups[0]["ratio"] = 0.1
+            train_step(model, opt, t)
+
+    model = make_model(4)
+    opt = slamb_opt(model, sync_interval=4, seed=9)
+    run(model, opt, range(1, 5))
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    failed = [] if "mask_schedule" in saved[1]["state"][0] else ["no mask schedule in the checkpoint"]
+    run(model, opt, range(5, 12))
+    want = flat_params(model)
+    model2 = make_model(99)
+    opt2 = slamb_opt(model2, sync_interval=4, seed=None)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    run(model2, opt2, range(5, 12))
+    if not np.array_equal(flat_params(model2), want):
+        failed.append("the resumed run is not bitwise the same")
+    gather_failures(failed)
 
 
 # ============================================================================= top-k vs section 2

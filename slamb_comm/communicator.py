@@ -24,6 +24,7 @@ momentum, parameter or error buffer is written). The check costs one pass over t
 payload and, on a GPU, one host read per exchange.
 """
 
+import math
 import secrets
 import time
 
@@ -172,10 +173,59 @@ class Communicator:
                 f"ratio={self.ratio}, mask={self.mask_kind!r}, block={self.block}, value_dtype={self.value_dtype.name}"
             )
 
-    def _digest(self):
+    def _digest(self, ratio=None):
         """Layout plus the options every rank must share (block only when it is not 1)."""
         extra = (() if self.block == 1 else (("block", self.block),)) + ((("topk_dense", True),) if self.topk_dense else ())
-        return self.layout.digest(self.ratio, self.mask_kind, self.value_dtype.name, *extra)
+        return self.layout.digest(self.ratio if ratio is None else ratio, self.mask_kind, self.value_dtype.name, *extra)
+
+    def set_ratio(self, ratio, step, problem=None):
+        """Change k to ``ratio`` for the steps after ``step`` (a ratio schedule, e.g. denser
+        first). Collective: every rank calls it with the same ``ratio`` and ``step`` (one
+        3-word allgather); the masks and the top-k wire follow the new ratio. The cyclic mask
+        starts a new permutation of ``ceil(1/ratio)`` chunks, cycled from step ``step + 1``,
+        so the staleness bound holds for the new ratio from the change on; elements keep the
+        freshness they had (see :meth:`CyclicMask.rebased`). Error-feedback residuals carry over.
+
+        ``problem``: a local error to raise instead (the other ranks raise PeerError).
+
+        Raises:
+            ConfigError: on the ranks whose ratio is invalid, or that change it while another
+                rank asks for something else (the others raise PeerError naming them);
+                nothing changes on any rank.
+        """
+        try:
+            if problem is None:
+                new = check_ratio(ratio)
+                if self._uncommitted is not None:
+                    raise ConfigError("set_ratio() between sparse_allgather(commit=False) and commit_residual()")
+        except ConfigError as e:
+            problem = e
+        t = self.transport
+        mine = np.array([problem is None, math.nan if problem is not None else new, step], dtype=np.float64)
+        rows = np.zeros(3 * t.size, dtype=np.float64)
+        t.allgather(mine, rows)
+        rows = rows.reshape(t.size, 3)
+        failed = [r for r in range(t.size) if rows[r, 0] != 1]
+        if problem is not None:
+            raise problem
+        if failed:
+            raise PeerError(f"rank(s) {failed} rejected a change of the ratio (see their error); nothing changed", failed)
+        if not (np.all(rows[:, 1] == rows[0, 1]) and np.all(rows[:, 2] == rows[0, 2])):
+            changers = [r for r in range(t.size) if rows[r, 1] != self.ratio]
+            asked = {r: (float(rows[r, 1]), int(rows[r, 2])) for r in range(t.size)}
+            if t.rank in changers or not changers:
+                raise ConfigError(f"the ratio must change on every rank alike, at the same step: (ratio, step) per "
+                                  f"rank {asked}, current ratio {self.ratio}; nothing changed")
+            raise PeerError(f"rank(s) {changers} changed the ratio and this rank did not (see their error); "
+                            "nothing changed", changers)
+        if new == self.ratio:
+            return
+        if self.mask_kind == "cyclic":
+            self.mask = self.mask.rebased(new, step)
+        else:
+            self.mask = make_mask(self.mask_kind, self.layout, new, self.seed, self.block)
+        self.ratio = new
+        self.wire = TopKWire(self.layout, new, self.value_dtype, whole_dense=self.topk_dense)
 
     # ------------------------------------------------------------------ inputs
     def _take(self, x):
@@ -584,12 +634,16 @@ class Communicator:
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly. The error buffer is kept on the host until
         the next exchange, which moves it to the device of that exchange's arrays."""
-        mine = self._digest().hex()
-        if state.get("digest") != mine:
+        saved = state.get("mask") or {}
+        ratio = check_ratio(saved.get("ratio", self.ratio))  # a ratio schedule may have changed it
+        if state.get("digest") != self._digest(ratio).hex():
             raise LayoutMismatchError("the saved state was made for a different layout or options")
-        if int(state["seed"]) != self.seed:
-            self.seed = int(state["seed"])
-            self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
+        schedule = [(float(k), int(o)) for k, o in saved.get("schedule") or ()]
+        mine = self.mask.schedule() if self.mask_kind == "cyclic" else []
+        if int(state["seed"]) != self.seed or ratio != self.ratio or (schedule or [(ratio, 0)]) != (mine or [(ratio, 0)]):
+            self.seed, self.ratio = int(state["seed"]), ratio
+            self.mask = make_mask(self.mask_kind, self.layout, ratio, self.seed, self.block, schedule)
+            self.wire = TopKWire(self.layout, ratio, self.value_dtype, whole_dense=self.topk_dense)
         r = state["residual"]
         if r is not None and np.shape(r) != (self.layout.total,):
             raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({self.layout.total},)")

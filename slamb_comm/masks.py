@@ -346,17 +346,16 @@ class _Geometry:
 
     def all_chunks(self):
         """The chunk of every element of the tensor (a host int array; O(n): for inspection)."""
-        q = (np.arange(self.n, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
-        g = q // self.C
-        h = self.rotations(int(g[0]), int(g[-1]) + 1, np).astype(np.int64) if self.n else np.zeros(0, np.int64)
-        return (q % self.C + h[g - g[0]]) % self.C if self.n else q
+        return self.chunks(0, self.n, np)
 
     def chunks(self, lo, hi, xp):
-        """Chunk of every element of ``[lo, hi)`` inside a head or a tail (one group)."""
-        g = self.unit(lo) // self.C
-        q = (np.arange(lo, hi, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
-        c = (q % self.C + self.rot(g)) % self.C
-        return c if xp is np else xp.asarray(c)
+        """The chunk of every element of ``[lo, hi)`` (an int64 array on ``xp``; O(hi - lo))."""
+        if hi <= lo:
+            return xp.zeros(0, np.int64)
+        q = (xp.arange(lo, hi, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
+        g0 = self.unit(lo) // self.C
+        h = self.rotations(g0, self.unit(hi - 1) // self.C + 1, xp).astype(np.int64)
+        return (q % self.C + xp.take(h, q // self.C - g0)) % self.C
 
     def body_rotations(self, xp):
         """h(g) of every body group, computed on the device (one vectorised hash, no division),
@@ -486,12 +485,19 @@ class CyclicMask(_Mask):
     Nothing of size O(elements) is kept: :meth:`picks` derives a tensor's positions at
     step t from a hash per group, and :meth:`staleness` gives every chunk's steps since
     its last synchronisation, from which SLAMB derives the freshness instead of storing it.
+
+    A ratio schedule (:meth:`rebased`): the mask that takes over after step ``origin`` counts
+    its cycle from there (step ``origin + s`` selects chunk ``(s - 1) mod C``), so every unit
+    is synchronised within C steps of the change, C of the new ratio. Until its first cycle
+    is complete, an element it has not reached yet keeps the freshness the previous mask
+    gave it at the change, decayed since (``prev``: the mask before, O(tensors) numbers).
     """
 
     kind = "cyclic"
 
-    def __init__(self, layout, ratio, seed, block=1):
+    def __init__(self, layout, ratio, seed, block=1, origin=0, prev=None):
         super().__init__(layout, ratio, seed)
+        self.origin, self.prev = int(origin), prev
         self.block = check_block(block)
         self.num_chunks = C = math.ceil(1.0 / self.ratio - 1e-9)
         self._key = _mix((self.seed + _G1) & _M64)
@@ -507,7 +513,42 @@ class CyclicMask(_Mask):
         self.units = q
 
     def chunk(self, step):
-        return (int(step) - 1) % self.num_chunks
+        return (int(step) - self.origin - 1) % self.num_chunks
+
+    def rebased(self, ratio, origin):
+        """The mask for ``ratio`` from step ``origin + 1`` on: a new permutation of C' =
+        ceil(1/ratio) chunks, cycled from there, with this mask as ``prev`` (which forgets its
+        own ``prev`` if its first cycle was complete by then)."""
+        if self.prev is not None and int(origin) - self.origin >= self.num_chunks:
+            self.prev = None
+        return CyclicMask(self.layout, ratio, self.seed, self.block, origin, self)
+
+    def levels(self):
+        """The masks from the oldest one that still matters to this one's freshness, to this one."""
+        return (self.prev.levels() if self.prev is not None else []) + [self]
+
+    def schedule(self):
+        """``[(ratio, origin), ...]`` of :meth:`levels` (what :func:`make_mask` rebuilds them from)."""
+        return [(m.ratio, m.origin) for m in self.levels()]
+
+    def settled(self, t):
+        """Whether every element's freshness after step ``t`` follows this mask alone."""
+        return self.prev is None or int(t) - self.origin >= self.num_chunks
+
+    def freshness(self, i, t, beta3, lo, hi, xp=np):
+        """The freshness after step ``t`` of elements ``[lo, hi)`` of compressible tensor ``i``
+        (float64 on ``xp``): ``beta3 ** staleness`` of the element's chunk, times, where this
+        mask has not reached the element yet, its freshness under ``prev`` at the change."""
+        geo = self._geo[i]
+        s = int(t) - self.origin
+        c = geo.chunks(lo, hi, xp)
+        F = xp.asarray(beta3 ** np.asarray(self.staleness(t), np.float64))
+        f = xp.take(F, c)
+        if self.prev is not None and s < self.num_chunks:
+            reached = xp.asarray(np.arange(self.num_chunks) < s)
+            before = self.prev.freshness(i, self.origin, beta3, lo, hi, xp)
+            f = xp.where(xp.take(reached, c), f, f * before)
+        return f
 
     def picks(self, t, i, xp=np, rotations=None):
         """M_t within tensor ``i`` (a :class:`GridPicks`, or everything for a dense tensor).
@@ -534,13 +575,19 @@ class CyclicMask(_Mask):
 
     def staleness(self, t):
         """Per chunk c, the steps since its elements were last synchronised, at step t (after
-        step t's exchange): 0 for chunk (t-1) mod C; t for a chunk not yet reached."""
-        C, t = self.num_chunks, int(t)
-        j = (t - 1) % C
-        return [j - c if c <= j else (j - c + C if t > C else t) for c in range(C)]
+        step t's exchange): 0 for chunk (s-1) mod C; s for a chunk not yet reached, with
+        ``s = t - origin`` the steps this mask has run."""
+        C, s = self.num_chunks, int(t) - self.origin
+        if s <= 0:
+            return [0] * C
+        j = (s - 1) % C
+        return [j - c if c <= j else (j - c + C if s > C else s) for c in range(C)]
 
     def state_dict(self):
-        return {**super().state_dict(), "block": self.block}
+        out = {**super().state_dict(), "block": self.block}
+        if self.origin or self.prev is not None:
+            out["schedule"] = self.schedule()
+        return out
 
 
 class BernoulliMask(_Mask):
@@ -633,12 +680,22 @@ class TopKUnionMask(_Mask):
 _MASKS = {m.kind: m for m in (CyclicMask, BernoulliMask, TopKUnionMask)}
 
 
-def make_mask(kind, layout, ratio, seed, block=1):
-    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk'); ``block`` is the cyclic mask's run length."""
+def make_mask(kind, layout, ratio, seed, block=1, schedule=None):
+    """Build the mask named ``kind`` ('cyclic', 'bernoulli' or 'topk'); ``block`` is the cyclic
+    mask's run length; ``schedule``: its ratio changes so far, as :meth:`CyclicMask.schedule`
+    gives them (the last entry's ratio is ``ratio``)."""
     if kind not in _MASKS:
         raise ConfigError(f"unknown mask {kind!r}; choose one of {sorted(_MASKS)}")
     if kind == "cyclic":
-        return CyclicMask(layout, ratio, seed, block)
+        if not schedule:
+            return CyclicMask(layout, ratio, seed, block)
+        (k, o), *rest = schedule
+        mask = CyclicMask(layout, k, seed, block, origin=o)
+        for k, o in rest:
+            mask = mask.rebased(k, o)
+        if mask.ratio != check_ratio(ratio):
+            raise ConfigError(f"the mask's schedule {schedule} ends at ratio {mask.ratio}, not {ratio}")
+        return mask
     if check_block(block) != 1:
         raise ConfigError(f"block={block} applies to the cyclic mask only, not {kind!r}")
     return _MASKS[kind](layout, ratio, seed)

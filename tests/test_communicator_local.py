@@ -136,6 +136,30 @@ class TestSingleRank:
             # nothing is lost
             np.testing.assert_allclose(sent_total + comm.residual, g_total, rtol=1e-5, atol=1e-5)
 
+    def test_sparse_allgather_follows_a_ratio_schedule(self):
+        """set_ratio between steps: the next exchange sends the new ratio's top-k of the
+        residual-corrected input; the residual carries over and nothing is lost."""
+        comm = comm_for(ratio=0.5)
+        lay = comm.layout
+        e = np.zeros(TOTAL, np.float32)
+        g_total = np.zeros(TOTAL, np.float64)
+        sent_total = np.zeros(TOTAL, np.float64)
+        for step, ratio in enumerate([0.5, 0.5, 0.2, 0.1, 0.1, 1.0, 0.1]):
+            comm.set_ratio(ratio, step)
+            g = flat_of(make_arrays(200 + step))
+            out = comm.sparse_allgather(g)
+            c = g + e
+            sent = ref_topk(c, lay, ratio)
+            e = c - sent
+            assert np.array_equal(out, sent) and np.array_equal(comm.residual, e)
+            assert np.count_nonzero(sent) == sum(sc.k_elems(ratio, n) for n in lay.sizes)
+            sent_total += sent
+            g_total += g
+            np.testing.assert_allclose(sent_total + comm.residual, g_total, rtol=1e-5, atol=1e-5)
+        with pytest.raises(sc.ConfigError, match="ratio"):
+            comm.set_ratio(1.5, 9)
+        assert comm.ratio == 0.1
+
     @pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5])
     def test_sparse_allgather_large_tensors(self, ratio):
         """Tensors above 16384 elements take top-k's fast path: still exactly the reference."""
@@ -519,7 +543,11 @@ def test_state_dict_round_trip_resumes_exactly():
         _, ib = b.masked_allreduce(make_arrays(s), s)
         assert np.array_equal(ia, ib)
     with pytest.raises(sc.LayoutMismatchError):
-        comm_for(ratio=0.2).load_state_dict(state)
+        comm_for(ratio=0.1, value_dtype="float16").load_state_dict(state)
+    c = comm_for(ratio=0.2)  # the ratio is part of the state (a schedule changes it): adopted
+    c.load_state_dict(state)
+    assert c.ratio == 0.1 and c.mask.num_chunks == 10 and c.wire.ratio == 0.1
+    assert np.array_equal(c.masked_allreduce(make_arrays(7), 7)[1], a.masked_allreduce(make_arrays(7), 7)[1])
 
 
 def test_sync_of_a_lazy_sequence_holds_one_bucket_of_copies():

@@ -115,14 +115,31 @@ def test_exchanges_equal_on_both_paths(cp, mask, block, vdt, form):
         np.testing.assert_array_equal(x, y)
 
 
-def run_slamb(xp, mask, vdt, block=1, steps=6, shapes=SHAPES):
+def run_slamb(xp, mask, vdt, block=1, steps=6, shapes=SHAPES, schedule=None):
     x = arrays(xp, 0, shapes)
     comm = sc.Communicator(None, x, ratio=0.1, mask=mask, value_dtype=vdt, seed=5, dense_threshold=100,
                            block=block)
     opt = Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
     for t in range(1, steps + 1):
+        if schedule and t in schedule:
+            opt.set_ratio(schedule[t])
         opt.step(x, arrays(xp, 50 + t, shapes))
     return host(x), opt
+
+
+@pytest.mark.parametrize("mask,block", [("cyclic", 1), ("cyclic", 64), ("bernoulli", 1)])
+def test_slamb_ratio_schedule_equal_on_both_paths_without_more_host_reads(strict, mask, block):
+    """A ratio change mid-cycle: the device derives the freshness from both masks as the host
+    does, and a step still reads the host once."""
+    sched = {1: 0.5, 4: 0.2, 6: 0.1, 9: 0.25}
+    a, oa = run_slamb(np, mask, "float32", block, steps=12, schedule=sched)
+    b, ob = run_slamb(strict, mask, "float32", block, steps=8, schedule=sched)
+    x = arrays(strict, 0, SHAPES)
+    counts = [_count(lambda t=t: (ob.set_ratio(sched[t]) if t in sched else None, ob.step(x, arrays(strict, 50 + t, SHAPES))))
+              for t in range(9, 13)]
+    assert counts == [1] * 4, counts  # the change's 3-word agreement moves host arrays: no device read
+    np.testing.assert_allclose(host(ob.m), host(oa.m), rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(ob.freshness(), oa.freshness())
 
 
 @pytest.mark.parametrize("vdt", ["float32", "float16"])
