@@ -21,7 +21,7 @@ clipping, ``backward_passes_per_step``, lr schedulers) stays as it was.
 What this module holds:
 
 * :class:`HorovodTransport` -- slamb_comm's transport protocol (allreduce, allgather,
-  broadcast, barrier) on Horovod's public collectives, so a
+  alltoall, broadcast, barrier) on Horovod's public collectives, so a
   :class:`slamb_comm.Communicator` can run inside a Horovod job.
 * :class:`SLAMB` -- the torch optimizer of :mod:`slamb_comm.adapters.torch`, re-exported:
   alone it is a correct single-process optimizer (ratio 1: LAMB), wrapped by
@@ -33,11 +33,11 @@ What this module holds:
 
 Everything torch-level (the SLAMB optimizer, dtype handling, the distributed optimizers'
 hooks and steps) lives in :mod:`slamb_comm.adapters.torch`; this module holds only what is
-Horovod's. Only Horovod's public API is used (``allreduce_async_``, ``allgather``, ``broadcast_``,
-``synchronize``, ``Average``/``Sum``, ``Compression``); Horovod's optimizer is neither
-copied nor patched. Like Horovod, the distributed optimizer is a class built at run time
-with ``type(name, (optimizer.__class__,), ...)``, so ``isinstance(opt, torch.optim.Adam)``
-still holds.
+Horovod's. Only Horovod's public API is used (``allreduce_async_``, ``allgather``,
+``alltoall``, ``broadcast_``, ``synchronize``, ``Average``/``Sum``, ``Compression``);
+Horovod's optimizer is neither copied nor patched. Like Horovod, the distributed optimizer
+is a class built at run time with ``type(name, (optimizer.__class__,), ...)``, so
+``isinstance(opt, torch.optim.Adam)`` still holds.
 
 Data types: Horovod's collectives carry no bfloat16 and no bool. bfloat16 (and float16)
 parameters and gradients are converted to float32 for the exchange and for SLAMB's
@@ -53,7 +53,7 @@ import torch
 import horovod.torch as hvd
 
 from slamb_comm.codecs import TopK
-from slamb_comm.transports import check_buffer
+from slamb_comm.transports import check_alltoall, check_buffer
 from slamb_comm.adapters.torch import SLAMB, _check_named_parameters, _torch_view, _wrap
 
 __all__ = ["HorovodTransport", "SLAMB", "TopK", "DistributedOptimizer"]
@@ -134,6 +134,36 @@ class HorovodTransport:
             hvd.allreduce_(slots, op=hvd.Sum, name=name + ".joined", process_set=self.process_set)
             out = (slots if words else slots.to(torch.uint8)).reshape(-1).view(torch.uint8)
             out = out.view(_torch_view(sendbuf).dtype)
+        _torch_view(recvbuf).copy_(out.reshape(-1))
+
+    def alltoall(self, sendbuf, recvbuf):
+        """Rank r's ``sendbuf[j * n:(j + 1) * n]`` arrives in rank j's ``recvbuf[r * n:(r + 1) * n]``
+        (n = ``sendbuf.size // size``), through ``hvd.alltoall`` with equal splits.
+
+        While some rank is in ``hvd.join()``, Horovod refuses all-to-alls as it refuses
+        allgathers; the ranks still working then exchange through an allreduce of a
+        zero-padded ``size x sendbuf`` buffer instead (``size`` times the bytes, on those steps
+        only), in which the joined ranks' blocks are zeros, as Horovod's joined ranks
+        contribute zeros to every allreduce."""
+        check_alltoall(sendbuf, recvbuf, self.size)
+        name = self._name("alltoall")
+        src = _torch_view(sendbuf)
+        try:
+            out = hvd.alltoall(src, name=name, process_set=self.process_set)
+        except hvd.HorovodInternalError as err:
+            if "not supported with Join" not in str(err):
+                raise
+            # Every rank that is not joined got this error: each puts its whole sendbuf in its own
+            # row of a zero buffer, one sum gives every row to everyone, and each keeps column block r.
+            mine = src.reshape(-1).view(torch.uint8)
+            words = mine.numel() % (4 * self.size) == 0  # summed as int32 words (x + 0 is exact)
+            slots = torch.zeros(self.size, mine.numel() // 4 if words else mine.numel(), dtype=torch.int32,
+                                device=mine.device)
+            slots[self.rank].copy_(mine.view(torch.int32) if words else mine)
+            hvd.allreduce_(slots, op=hvd.Sum, name=name + ".joined", process_set=self.process_set)
+            block = slots.shape[1] // self.size
+            rows = slots[:, self.rank * block:(self.rank + 1) * block].contiguous()
+            out = (rows if words else rows.to(torch.uint8)).reshape(-1).view(torch.uint8).view(src.dtype)
         _torch_view(recvbuf).copy_(out.reshape(-1))
 
     def broadcast(self, buf, root=0):

@@ -55,7 +55,7 @@ from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerErro
 from slamb_comm.masks import check_block
 from slamb_comm.slamb import Slamb
 from slamb_comm.stats import Traffic, allreduce_wire
-from slamb_comm.transports import LocalTransport, check_buffer
+from slamb_comm.transports import LocalTransport, check_alltoall, check_buffer
 
 __all__ = ["SLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState", "slamb_hook",
            "TopKHookState", "topk_hook"]
@@ -131,6 +131,16 @@ class TorchTransport:
         w = self._staged(r)
         dist.all_gather(list(w.reshape(self.size, -1).unbind(0)), self._staged(_torch_view(sendbuf)),
                         group=self.group)
+        if w is not r:
+            r.copy_(w)
+
+    def alltoall(self, sendbuf, recvbuf):
+        """Rank r's ``sendbuf[j * n:(j + 1) * n]`` goes to rank j's ``recvbuf[r * n:(r + 1) * n]``
+        (n = ``sendbuf.size // size``): ``all_to_all_single`` with equal splits."""
+        check_alltoall(sendbuf, recvbuf, self.size)
+        r = _torch_view(recvbuf)
+        w = self._staged(r)
+        dist.all_to_all_single(w, self._staged(_torch_view(sendbuf)), group=self.group)
         if w is not r:
             r.copy_(w)
 

@@ -386,6 +386,31 @@ def test_plain_optimizer_without_compression_is_refused():
         st.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_torch_transport_alltoall_and_the_onebit_exchange():
+    """TorchTransport.alltoall (equal blocks, as MPI_Alltoall), and the core's 1-bit exchange on
+    it equal to the same exchange over MPI (the transports move the same bytes)."""
+    from mpi4py import MPI
+
+    t = st.TorchTransport()
+    failed = []
+    for dtype in (np.uint8, np.float32, np.int32):
+        send = (np.arange(3 * P(), dtype=np.int64) + 100 * R()).astype(dtype)
+        recv = np.zeros_like(send)
+        t.alltoall(send, recv)
+        want = np.concatenate([(np.arange(3 * R(), 3 * R() + 3) + 100 * r).astype(dtype) for r in range(P())])
+        if not np.array_equal(recv, want):
+            failed.append(f"alltoall {np.dtype(dtype).name}: {recv} != {want}")
+    with pytest.raises(ValueError):
+        t.alltoall(np.zeros(3 * P(), np.float32), np.zeros(3 * P() + 1, np.float32))
+    x = [np.random.default_rng([5, R()]).standard_normal(s).astype(np.float32) for s in SHAPES]
+    y = [a.copy() for a in x]
+    slamb_comm.Communicator(t, x, seed=3).onebit_allreduce(x)
+    slamb_comm.Communicator(slamb_comm.MPITransport(MPI.COMM_WORLD), y, seed=3).onebit_allreduce(y)
+    if not all(np.array_equal(a, b) for a, b in zip(x, y)):
+        failed.append("the 1-bit exchange over torch.distributed differs from the one over MPI")
+    gather_failures(failed)
+
+
 def test_public_api_has_docstrings():
     import inspect
 

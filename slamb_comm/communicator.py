@@ -33,6 +33,7 @@ import numpy as np
 from . import arrays as _arr
 from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
 from .masks import check_block, make_mask
+from .onebit import OneBitExchange
 from .errors import (
     ConfigError,
     DTypeError,
@@ -621,15 +622,25 @@ class Communicator:
         )
         return x
 
+    def onebit_allreduce(self, x):
+        """In place: ``x`` (fused buffer or list of arrays) becomes the error-compensated 1-bit
+        mean over ranks of 1-bit Adam/LAMB (docs/onebit_lamb.md section 1): signs packed 8 per
+        byte and one scale per rank and per chunk, in an all-to-all and an allgather; the worker
+        and server error buffers are this communicator's state. See :class:`OneBitExchange`."""
+        return OneBitExchange.of(self).allreduce(x)
+
     # ------------------------------------------------------------------ state
     def state_dict(self):
-        """This rank's state: the error buffer (host copy) and the mask's seed and kind."""
-        return {
+        """This rank's state: the error buffers (host copies) and the mask's seed and kind."""
+        out = {
             "residual": None if self.residual is None else _arr.to_host(self.residual).copy(),
             "seed": self.seed,
             "mask": self.mask.state_dict(),
             "digest": self._digest().hex(),
         }
+        if vars(self).get("_onebit") is not None:
+            out["onebit"] = self._onebit.state_dict()
+        return out
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly. The error buffer is kept on the host until
@@ -649,3 +660,7 @@ class Communicator:
             raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({self.layout.total},)")
         self.residual = None if r is None else np.array(_arr.to_host(r), dtype=self.layout.dtype, copy=True)
         self._residual_on_host = r is not None
+        if state.get("onebit") is not None:
+            OneBitExchange.of(self).load_state_dict(state["onebit"])
+        elif vars(self).get("_onebit") is not None:
+            self._onebit = None  # saved before any 1-bit exchange: its error buffers start at zero

@@ -1,15 +1,15 @@
 """Byte and time statistics of exchanges (ALGORITHM.md section 4).
 
 Payload = the bytes a rank hands to the collective. Wire bytes estimate what crosses
-each rank's link: ``2 (P - 1) / P * payload`` for a ring allreduce and
-``(P - 1) * payload`` for an allgather. Every record also carries what the dense
-exchange of the same arrays (an allreduce of the full buffer in its own dtype) would
-have moved, so ``ratio`` reads directly as "fraction of dense".
+each rank's link: ``2 (P - 1) / P * payload`` for a ring allreduce, ``(P - 1) * payload``
+for an allgather and ``(P - 1) / P * payload`` for an all-to-all. Every record also
+carries what the dense exchange of the same arrays (an allreduce of the full buffer in its
+own dtype) would have moved, so ``ratio`` reads directly as "fraction of dense".
 """
 
 from dataclasses import dataclass, fields
 
-__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire"]
+__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire"]
 
 
 def allreduce_wire(payload, size):
@@ -20,6 +20,11 @@ def allreduce_wire(payload, size):
 def allgather_wire(payload, size):
     """Bytes an allgather puts on each rank's link."""
     return float((size - 1) * payload)
+
+
+def alltoall_wire(payload, size):
+    """Bytes an all-to-all puts on each rank's link (``payload`` counts the block a rank keeps)."""
+    return (size - 1) / size * payload if size > 1 else 0.0
 
 
 @dataclass

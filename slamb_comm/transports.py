@@ -6,6 +6,9 @@ A transport moves contiguous NumPy or CuPy buffers between ranks:
 * ``allreduce(buf)``: in place, the element-wise **sum** over ranks;
 * ``allgather(sendbuf, recvbuf)``: ``recvbuf`` (``size * sendbuf.size`` elements) gets
   rank r's ``sendbuf`` at ``[r * n:(r + 1) * n]``;
+* ``alltoall(sendbuf, recvbuf)``: equal blocks of ``n = sendbuf.size // size`` elements
+  (``sendbuf.size`` a multiple of ``size``; ``recvbuf`` as large, same dtype): rank r's
+  ``sendbuf[j * n:(j + 1) * n]`` arrives in rank j's ``recvbuf[r * n:(r + 1) * n]``;
 * ``broadcast(buf, root=0)``: in place;
 * ``barrier()``.
 
@@ -52,13 +55,25 @@ class Transport(Protocol):
 
     def allgather(self, sendbuf, recvbuf) -> None: ...
 
+    def alltoall(self, sendbuf, recvbuf) -> None: ...
+
     def broadcast(self, buf, root: int = 0) -> None: ...
 
     def barrier(self) -> None: ...
 
 
+def check_alltoall(sendbuf, recvbuf, size):
+    """Raise unless ``sendbuf``/``recvbuf`` suit an all-to-all among ``size`` ranks: 1-D,
+    C-contiguous, of one supported dtype and one size, a multiple of ``size``."""
+    check_buffer(sendbuf)
+    check_buffer(recvbuf)
+    if recvbuf.size != sendbuf.size or recvbuf.dtype != sendbuf.dtype or sendbuf.size % size:
+        raise ValueError(f"alltoall needs sendbuf and recvbuf of one dtype and one size, a multiple of {size} "
+                         f"(got {sendbuf.size} {sendbuf.dtype.name} and {recvbuf.size} {recvbuf.dtype.name})")
+
+
 class LocalTransport:
-    """A single rank: every collective is the identity (allgather copies)."""
+    """A single rank: every collective is the identity (allgather and alltoall copy)."""
 
     rank = 0
     size = 1
@@ -70,6 +85,10 @@ class LocalTransport:
     def allgather(self, sendbuf, recvbuf):
         check_buffer(sendbuf)
         recvbuf[: sendbuf.size] = sendbuf
+
+    def alltoall(self, sendbuf, recvbuf):
+        check_alltoall(sendbuf, recvbuf, 1)
+        recvbuf[...] = sendbuf
 
     def broadcast(self, buf, root=0):
         if root != 0:
@@ -221,6 +240,17 @@ class MPITransport:
         # Bytes are bytes: gather as uint8 so float16 needs no MPI type.
         self.comm.Allgather(sendbuf.view(np.uint8), recvbuf.view(np.uint8))
 
+    def alltoall(self, sendbuf, recvbuf):
+        check_alltoall(sendbuf, recvbuf, self.size)
+        if is_cupy(sendbuf) and not self.cuda_aware:
+            host = np.empty(recvbuf.size, recvbuf.dtype)
+            self.comm.Alltoall(sendbuf.get().view(np.uint8), host.view(np.uint8))
+            recvbuf.set(host)
+            return
+        synchronize(sendbuf)
+        # As bytes (equal blocks of bytes are equal blocks of elements): float16 needs no MPI type.
+        self.comm.Alltoall(sendbuf.view(np.uint8), recvbuf.view(np.uint8))
+
     def broadcast(self, buf, root=0):
         check_buffer(buf)
         if is_cupy(buf) and not self.cuda_aware:
@@ -335,6 +365,34 @@ class NCCLTransport:
             raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
         t = self._types[sendbuf.dtype.name]
         self._enqueue(lambda s: self.comm.allGather(sendbuf.data.ptr, recvbuf.data.ptr, sendbuf.size, t, s))
+
+    def alltoall(self, sendbuf, recvbuf):
+        """One grouped ``send``/``recv`` per peer (NCCL has no all-to-all of its own; this is how
+        its documentation builds one), all inside one ``groupStart``/``groupEnd``."""
+        if isinstance(sendbuf, np.ndarray) and isinstance(recvbuf, np.ndarray):
+            check_alltoall(sendbuf, recvbuf, self.size)
+            dev = self._cp.empty(recvbuf.size, dtype=recvbuf.dtype)
+            self.alltoall(self._upload(sendbuf), dev)
+            self._download(dev, recvbuf)
+            return
+        self._check(sendbuf)
+        self._check(recvbuf)
+        check_alltoall(sendbuf, recvbuf, self.size)
+        t = self._types[sendbuf.dtype.name]
+        n = sendbuf.size // self.size
+        step = n * sendbuf.dtype.itemsize
+        nccl = self._nccl
+
+        def call(s):
+            nccl.groupStart()
+            try:
+                for j in range(self.size):
+                    self.comm.send(sendbuf.data.ptr + j * step, n, t, j, s)
+                    self.comm.recv(recvbuf.data.ptr + j * step, n, t, j, s)
+            finally:
+                nccl.groupEnd()
+
+        self._enqueue(call)
 
     def broadcast(self, buf, root=0):
         if isinstance(buf, np.ndarray):

@@ -1,0 +1,363 @@
+"""The 1-bit LAMB rule on fused flat buffers (docs/onebit_lamb.md section 2, with section 3's
+slamb_comm choices).
+
+:class:`OneBitLamb` owns the optimizer state of one fused buffer of parameters and does one
+step at a time:
+
+* **warm-up**, steps 1..``freeze_step``: one dense allreduce of the gradient (the mean ḡ), then
+  LAMB on ḡ -- ``m``, ``v``, the LAMB coefficient ``c = clamp(||x|| / ||u||, min_coeff,
+  max_coeff)`` per tensor, and its moving average ``κ`` (``coeff_beta``);
+* **compression**, after ``freeze_step``: v is frozen; each rank's momentum, scaled per tensor
+  by ``γ`` (fixed at the first compression step so that every tensor's momentum has the same
+  RMS), goes through the 1-bit exchange (:class:`~slamb_comm.onebit.OneBitExchange`); the
+  reconstructed gradient updates the fresh second moment ``f``, whose ratio to the frozen one
+  sets a bounded factor ``φ``; the step is ``x -= lr κ φ u``.
+
+Costs: state m, v, f (12 bytes per fp32 parameter) plus the exchange's error buffers (4 + 4/P
+bytes per parameter) and two scratch buffers of the whole model (the exchanged momentum and the
+direction). Host reads per step: one (the per-tensor norms, read together) plus the
+exchange's one (compression) or the allreduce's (warm-up); one more at the first compression
+step (the scaling factors).
+
+Tuning (DeepSpeed's advice): ``freeze_step`` long enough for v to settle (their BERT runs:
+a few thousand steps, with ``1 / (1 - coeff_beta) <= freeze_step``); ``factor_min``,
+``factor_max`` and ``factor_threshold`` bound how far and how fast the frozen LAMB coefficient
+may be rescaled in the compression stage.
+"""
+
+import logging
+import math
+
+import numpy as np
+
+from . import arrays as _arr
+from .errors import ConfigError, LayoutError, NonFiniteError
+from .onebit import OneBitExchange
+
+__all__ = ["OneBitLamb"]
+
+log = logging.getLogger("slamb_comm")
+
+
+def _read(xp, values):
+    """Host floats of a list of scalars: as they are on the CPU, one read for all on a GPU."""
+    if not values:
+        return []
+    if xp is np:
+        return [float(v) for v in values]
+    return _arr.to_host(xp.stack([xp.asarray(v, dtype=np.float64).reshape(()) for v in values])).tolist()
+
+
+def _sumsq(xp, a):
+    return float(np.dot(a, a)) if xp is np else xp.sum(xp.square(a, dtype=np.float64))
+
+
+def _clamp(v, lo, hi):
+    return min(max(v, lo), hi)
+
+
+class OneBitLamb:
+    """1-bit LAMB's state and update for the fused buffer described by ``comm.layout``.
+
+    Args:
+        comm: a :class:`~slamb_comm.Communicator` built on the parameters; its transport must
+            have ``alltoall``, its ``value_dtype`` is that of the exchanged scales.
+        lr, betas, eps, weight_decay: as in LAMB (``u = m / (sqrt(v) + eps) + weight_decay x``).
+        freeze_step: the number of warm-up (dense LAMB) steps.
+        max_coeff, min_coeff: clamp of the warm-up's LAMB coefficient.
+        coeff_beta: moving-average rate of the warm-up's LAMB coefficient (κ).
+        factor_max, factor_min, factor_threshold: bounds of the compression stage's factor φ,
+            and of its change per step (a fraction of the previous φ).
+        bias_correction: False (default): DeepSpeed's rule, no bias correction. True: the warm-up
+            is ALGORITHM.md's LAMB on the mean gradient (``m / (1 - b1^t)``, ``v / (1 - b2^t)``),
+            and the compression stage divides m by ``1 - b1^t``, the frozen v by
+            ``1 - b2^freeze_step`` and f by ``1 - b2^t``.
+        on_nonfinite: 'skip' (default): a step with a NaN/Inf gradient on any rank is skipped by
+            every rank (logged, counted in :attr:`skipped_steps`); 'raise': every rank raises
+            :class:`~slamb_comm.errors.NonFiniteError`. Either way nothing changes.
+    """
+
+    def __init__(self, comm, *, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip"):
+        self.comm = comm
+        self.layout = comm.layout
+        if self.layout.dtype == np.float16:
+            raise ConfigError("OneBitLamb keeps its state in the parameters' dtype: keep a float32 master copy "
+                              "of float16 parameters and build the communicator on it")
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ConfigError(f"betas must be in [0, 1), got {betas}")
+        if isinstance(freeze_step, bool) or int(freeze_step) != freeze_step or freeze_step < 0:
+            raise ConfigError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
+        if not (0.0 < float(min_coeff) <= float(max_coeff)):
+            raise ConfigError(f"need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        if not (0.0 < float(factor_min) <= 1.0 <= float(factor_max)):
+            raise ConfigError(f"need 0 < factor_min <= 1 <= factor_max, got {factor_min}, {factor_max}")
+        if not (0.0 <= float(factor_threshold) < 1.0):
+            raise ConfigError(f"factor_threshold must be in [0, 1), got {factor_threshold}")
+        if not (0.0 <= float(coeff_beta) < 1.0):
+            raise ConfigError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
+        for name, val in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not (math.isfinite(float(val)) and float(val) >= 0):
+                raise ConfigError(f"{name} must be finite and >= 0, got {val}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
+        self.betas = (b1, b2)
+        self.freeze_step = int(freeze_step)
+        self.max_coeff, self.min_coeff = float(max_coeff), float(min_coeff)
+        self.coeff_beta = float(coeff_beta)
+        self.factor_max, self.factor_min = float(factor_max), float(factor_min)
+        self.factor_threshold = float(factor_threshold)
+        self.bias_correction = bool(bias_correction)
+        self.on_nonfinite = on_nonfinite
+        self.exchange = OneBitExchange.of(comm)
+        T = len(self.layout)
+        self.t = 0
+        self.kappa = [0.0] * T  # lamb_coeff_freeze
+        self.phi = [1.0] * T  # last_factor
+        self.gamma = None  # scaling_coeff, fixed at the first compression step
+        self.skipped_steps = 0
+        self.lamb_coeffs = [1.0] * T  # the coefficients of the last step (c, or κ φ), as DeepSpeed's get_lamb_coeffs
+        self._xp = None
+        self.m = self.v = self.f = None
+        self._host = None
+        self._scratch = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def compressing(self):
+        """Whether the next step is in the compression stage."""
+        return self.t >= self.freeze_step
+
+    def _ensure_state(self, xp, like):
+        if self._xp is None:
+            n, dt = self.layout.total, self.layout.dtype
+            host = self._host or {}
+            with _arr.device_scope(like):
+                self.m = xp.asarray(host["m"]) if "m" in host else xp.zeros(n, dt)
+                self.v = xp.asarray(host["v"]) if "v" in host else xp.zeros(n, dt)
+                self.f = xp.asarray(host["f"]) if host.get("f") is not None else None
+            self._host = None
+            self._xp = xp
+        elif self._xp is not xp:
+            raise TypeError(f"1-bit LAMB state lives in {self._xp.__name__}, got {xp.__name__} arrays")
+
+    def _buf(self, xp, name):
+        a = self._scratch.get(name)
+        if a is None or _arr.namespace(a) is not xp:
+            a = self._scratch[name] = xp.empty(self.layout.total, self.layout.dtype)
+        return a
+
+    def state_dict(self):
+        """This rank's state: step, m, v, f (host copies; None before they exist), the per-tensor
+        κ, φ and γ, and the exchange's error buffers."""
+        src = self._host if self._host is not None else {"m": self.m, "v": self.v, "f": self.f}
+        host = (lambda a: None if a is None else _arr.to_host(a).copy())
+        return {
+            "step": self.t,
+            "m": host(src.get("m")),
+            "v": host(src.get("v")),
+            "f": host(src.get("f")),
+            "kappa": list(self.kappa),
+            "phi": list(self.phi),
+            "gamma": None if self.gamma is None else list(self.gamma),
+            "skipped_steps": self.skipped_steps,
+            "exchange": self.exchange.state_dict(),
+        }
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` output exactly (the arrays stay on the host until the next
+        step moves them to the device of its arrays). The error buffers are restored too, so a
+        resumed run continues bit for bit (unlike DeepSpeed, which resets them)."""
+        n, T, dt = self.layout.total, len(self.layout), self.layout.dtype
+        for k in ("m", "v", "f"):
+            if state[k] is not None and np.shape(state[k]) != (n,):
+                raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({n},)")
+        for k in ("kappa", "phi"):
+            if len(state[k]) != T:
+                raise LayoutError(f"saved {k} has {len(state[k])} values for {T} tensors")
+        if state["gamma"] is not None and len(state["gamma"]) != T:
+            raise LayoutError(f"saved gamma has {len(state['gamma'])} values for {T} tensors")
+        self.exchange.load_state_dict(state["exchange"])
+        self.t = int(state["step"])
+        self.kappa = [float(k) for k in state["kappa"]]
+        self.phi = [float(p) for p in state["phi"]]
+        self.gamma = None if state["gamma"] is None else [float(g) for g in state["gamma"]]
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._xp = None
+        self.m = self.v = self.f = None
+        self._scratch = {}
+        self._host = None if state["m"] is None else {
+            k: None if state[k] is None else np.array(_arr.to_host(state[k]), dtype=dt, copy=True)
+            for k in ("m", "v", "f")}
+
+    # ------------------------------------------------------------------ the step
+    def step(self, x, g, lr=None):
+        """One step: ``x`` (the fused parameter buffer, or a list of arrays shaped like the
+        layout) updated in place from this rank's gradient ``g`` (same form). Returns ``x``.
+
+        A step with a non-finite gradient on any rank changes nothing (m, v, f, x, the error
+        buffers, the step count) and is skipped or raises, per ``on_nonfinite``."""
+        lr = self.lr if lr is None else float(lr)
+        lay = self.layout
+        xv, gv = self._views(x), self._views(g)
+        xp = _arr.namespace(*(xv + gv)) if lay.total else np
+        like = xv[0] if len(lay) else np.zeros(0)
+        self._ensure_state(xp, like)
+        try:
+            with _arr.device_scope(like):
+                if self.compressing:
+                    self._compressed(xp, xv, gv, lr)
+                else:
+                    self._warmup(xp, xv, gv, lr)
+        except NonFiniteError as e:
+            if self.on_nonfinite == "raise":
+                raise
+            self.skipped_steps += 1
+            log.warning("slamb_comm: 1-bit LAMB step %d skipped on every rank (%d skipped so far): %s",
+                        self.t + 1, self.skipped_steps, e)
+        return x
+
+    def _views(self, a):
+        lay = self.layout
+        if isinstance(a, (list, tuple)):
+            arrs = [_arr.as_array(v) for v in a]
+            if len(arrs) != len(lay):
+                raise LayoutError(f"got {len(arrs)} arrays, expected {len(lay)}")
+            out = []
+            for v, name, n in zip(arrs, lay.names, lay.sizes):
+                if v.size != n or v.dtype != lay.dtype or not v.flags.c_contiguous:
+                    raise LayoutError(f"tensor {name!r}: {v.size} {v.dtype.name} (contiguous: "
+                                      f"{v.flags.c_contiguous}), expected {n} {lay.dtype.name}")
+                out.append(v.reshape(-1))
+            return out
+        flat = _arr.as_array(a)
+        if flat.shape != (lay.total,) or flat.dtype != lay.dtype or not flat.flags.c_contiguous:
+            raise LayoutError(f"expected a fused buffer of {lay.total} {lay.dtype.name}, got {flat.shape} {flat.dtype.name}")
+        return lay.flat_views(flat)
+
+    def _corrections(self, t):
+        b1, b2 = self.betas
+        if not self.bias_correction:
+            return 1.0, 1.0, 1.0
+        frozen = min(t, self.freeze_step)
+        return 1.0 - b1**t, 1.0 - b2**frozen, 1.0 - b2**t
+
+    def _warmup(self, xp, xv, gv, lr):
+        lay, comm = self.layout, self.comm
+        dt = lay.dtype.type
+        t = self.t + 1
+        b1, b2 = self.betas
+        # the mean gradient (the engine's dense allreduce in DeepSpeed); raises, changing nothing,
+        # if any rank's gradient is not finite
+        gbar = self._buf(xp, "g")
+        for v, o, n in zip(gv, lay.offsets, lay.sizes):
+            gbar[o : o + n] = v
+        comm.sync(gbar)
+        c1, c2, _ = self._corrections(t)
+        eps, wd = dt(self.eps), dt(self.weight_decay)
+        U = self._buf(xp, "u")
+        sums = []
+        for i, (o, n) in enumerate(lay.segments()):
+            m, v, g, xi, u = self.m[o : o + n], self.v[o : o + n], gbar[o : o + n], xv[i], U[o : o + n]
+            m *= dt(b1)
+            m += dt(1.0 - b1) * g
+            v *= dt(b2)
+            v += dt(1.0 - b2) * (g * g)
+            xp.sqrt(v / dt(c2) if c2 != 1.0 else v, out=u)
+            u += eps
+            xp.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
+            if self.weight_decay > 0:
+                u += wd * xi
+            sums += [_sumsq(xp, xi), _sumsq(xp, u)]
+        if t == self.freeze_step:
+            self.f = self.v.copy()
+        vals = _read(xp, sums)
+        for i, (o, n) in enumerate(lay.segments()):
+            xn, un = math.sqrt(vals[2 * i]), math.sqrt(vals[2 * i + 1])
+            c = _clamp(xn / un, self.min_coeff, self.max_coeff) if xn != 0 and un != 0 else 1.0
+            if c != 1.0:
+                self.kappa[i] = self.coeff_beta * self.kappa[i] + (1.0 - self.coeff_beta) * c
+            self.lamb_coeffs[i] = c
+            if n:
+                xv[i] -= dt(lr * c) * U[o : o + n]
+        self.t = t
+
+    def _scaling(self, xp):
+        """γ per tensor (first compression step): equal momentum RMS for every tensor."""
+        lay = self.layout
+        vals = _read(xp, [_sumsq(xp, self.m[o : o + n]) for o, n in lay.segments()])
+        rho = [math.sqrt(s) / math.sqrt(n) if n else 0.0 for s, n in zip(vals, lay.sizes)]
+        nonempty = [r for r, n in zip(rho, lay.sizes) if n]
+        rbar = sum(nonempty) / len(nonempty) if nonempty else 0.0
+        return [rbar / r if r > 0 and rbar > 0 else 1.0 for r in rho]
+
+    def _compressed(self, xp, xv, gv, lr):
+        lay, comm = self.layout, self.comm
+        dt = lay.dtype.type
+        t = self.t + 1
+        b1, b2 = self.betas
+        gamma = self.gamma if self.gamma is not None else self._scaling(xp)
+        if self.f is None:  # freeze_step == 0: no warm-up, the fresh second moment starts from v
+            self.f = self.v.copy()
+        # this rank's scaled momentum, exchanged (m itself is untouched until the exchange succeeded)
+        M = self._buf(xp, "g")
+        for i, (o, n) in enumerate(lay.segments()):
+            mi = M[o : o + n]
+            xp.multiply(self.m[o : o + n], dt(b1), out=mi)
+            mi += dt(1.0 - b1) * gv[i]
+            mi *= dt(gamma[i])
+        if comm.size > 1:
+            self.exchange.allreduce(M)
+        elif not bool(xp.isfinite(xp.sum(M, dtype=np.float64))):
+            raise NonFiniteError(f"1-bit LAMB step {t}: non-finite gradient", (0,))
+        self.gamma = gamma
+        c1, cv, cf = self._corrections(t)
+        eps, wd = dt(self.eps), dt(self.weight_decay)
+        U = self._buf(xp, "u")
+        sums = []
+        for i, (o, n) in enumerate(lay.segments()):
+            if not n:
+                continue
+            mn, m, v, f, xi, u = M[o : o + n], self.m[o : o + n], self.v[o : o + n], self.f[o : o + n], xv[i], U[o : o + n]
+            mn /= dt(gamma[i])
+            ghat = mn - dt(b1) * m
+            ghat /= dt(1.0 - b1)
+            f *= dt(b2)
+            f += dt(1.0 - b2) * (ghat * ghat)
+            m[...] = mn
+            d = xp.sqrt(v / dt(cv) if cv != 1.0 else v)
+            d += eps
+            xp.divide(m / dt(c1) if c1 != 1.0 else m, d, out=u)
+            df = xp.sqrt(f / dt(cf) if cf != 1.0 else f)
+            df += eps
+            d /= df
+            ratio = d.max()
+            if self.weight_decay > 0:
+                sums += [ratio, _sumsq(xp, u)]
+                u += wd * xi
+                sums.append(_sumsq(xp, u))
+            else:
+                sums.append(ratio)
+        vals = _read(xp, sums)
+        k = 0
+        for i, (o, n) in enumerate(lay.segments()):
+            if not n:
+                continue
+            factor = vals[k]
+            k += 1
+            if self.weight_decay > 0:
+                u0n, un = math.sqrt(vals[k]), math.sqrt(vals[k + 1])
+                k += 2
+                w = min(1.0, u0n / un) if un > 0 else 1.0
+                factor = factor * w + (1.0 - w)
+            factor = _clamp(factor, self.factor_min, self.factor_max)
+            last = self.phi[i]
+            factor = _clamp(factor, last * (1.0 - self.factor_threshold), last * (1.0 + self.factor_threshold))
+            self.phi[i] = factor
+            coeff = self.kappa[i] * factor
+            self.lamb_coeffs[i] = coeff
+            xv[i] -= dt(lr * coeff) * U[o : o + n]
+        self.t = t
