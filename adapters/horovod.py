@@ -26,6 +26,7 @@ What this module holds:
 * :class:`SLAMB` -- the torch optimizer of :mod:`slamb_comm.adapters.torch`, re-exported:
   alone it is a correct single-process optimizer (ratio 1: LAMB), wrapped by
   :func:`DistributedOptimizer` it is SLAMB.
+* :class:`OneBitLAMB` -- 1-bit LAMB, likewise re-exported from :mod:`slamb_comm.adapters.torch`.
 * :class:`TopK` -- a ``compression=`` value selecting the error-feedback top-k gradient
   exchange (ALGORITHM.md section 2) for any optimizer.
 * :func:`DistributedOptimizer` -- the drop-in for ``hvd.DistributedOptimizer``: the
@@ -54,9 +55,9 @@ import horovod.torch as hvd
 
 from slamb_comm.codecs import TopK
 from slamb_comm.transports import check_alltoall, check_buffer
-from slamb_comm.adapters.torch import SLAMB, _check_named_parameters, _torch_view, _wrap
+from slamb_comm.adapters.torch import SLAMB, OneBitLAMB, _check_named_parameters, _torch_view, _wrap
 
-__all__ = ["HorovodTransport", "SLAMB", "TopK", "DistributedOptimizer"]
+__all__ = ["HorovodTransport", "SLAMB", "OneBitLAMB", "TopK", "DistributedOptimizer"]
 
 
 # ---------------------------------------------------------------------------- transport
@@ -250,6 +251,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
       (``hvd.allreduce_async_``, ``op=hvd.Average``) and finished in ``step()``.
       ``op`` must be ``hvd.Average``; ``compression=hvd.Compression.fp16`` means
       ``value_dtype='float16'``.
+    * ``optimizer`` is a :class:`OneBitLAMB`: 1-bit LAMB over all ranks, exchanged in
+      ``step()`` (``op=hvd.Average``, no compression).
     * ``compression`` is a :class:`TopK`: any optimizer; gradients go through the
       error-feedback top-k exchange of ALGORITHM.md section 2, and the optimizer steps on
       the mean (``op=hvd.Sum``: the sum).
@@ -278,7 +281,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         raise ValueError("backward_passes_per_step must be > 0")
     if num_groups != 0 and groups is None:
         groups = num_groups
-    slamb = isinstance(optimizer, SLAMB)
+    onebit = isinstance(optimizer, OneBitLAMB)
+    slamb = isinstance(optimizer, SLAMB) or onebit
     topk = isinstance(compression, TopK)
     if not slamb and not topk:
         if any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):
@@ -287,11 +291,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                                         sparse_as_dense=sparse_as_dense, process_set=process_set)
+    if onebit and compression is not hvd.Compression.none:
+        raise ValueError("OneBitLAMB compresses momenta to 1 bit itself: pass no compression")
     if slamb and topk:
         raise ValueError("SLAMB exchanges masked momentum; a TopK compression cannot be combined with it "
                          "(use SLAMB(mask='topk') for a top-k mask)")
     if slamb and op != hvd.Average:
-        raise ValueError("SLAMB averages momenta: op must be hvd.Average")
+        raise ValueError(f"{type(optimizer).__name__} averages momenta: op must be hvd.Average")
     if topk and op not in (hvd.Average, hvd.Sum):
         raise ValueError("TopK exchange supports op=hvd.Average or hvd.Sum")
     names = _check_named_parameters(named_parameters, optimizer.param_groups)
