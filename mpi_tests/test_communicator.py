@@ -19,6 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
+from mpi_checks import Checks, call
 from slamb_comm.masks import make_mask
 from slamb_comm.errors import (
     ConfigError,
@@ -42,62 +43,6 @@ U16 = 2.0**-11  # unit round-off of float16
 
 
 # --------------------------------------------------------------------------- helpers
-class Checks:
-    """Collect failures; :meth:`done` raises on every rank if any rank had one."""
-
-    def __init__(self):
-        self.failures = []
-
-    def true(self, cond, msg):
-        if not bool(cond):
-            self.failures.append(f"rank {ME}: {msg}")
-
-    def equal(self, a, b, msg):
-        a, b = np.asarray(a), np.asarray(b)
-        ok = a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
-        if not ok:
-            self.failures.append(f"rank {ME}: {msg}: not equal ({self._diff(a, b)})")
-
-    def close(self, a, b, msg, rtol=1e-6, atol=1e-6):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
-            self.failures.append(f"rank {ME}: {msg}: not close ({self._diff(a, b)})")
-
-    def within(self, got, want, bound, msg):
-        """|got - want| <= bound, element-wise."""
-        err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-        if not np.all(err <= bound):
-            i = int(np.argmax(err - bound))
-            self.failures.append(f"rank {ME}: {msg}: error {err[i]:.3g} > bound {np.broadcast_to(bound, err.shape)[i]:.3g} at {i}")
-
-    def raised(self, err, exc, msg, ranks=None):
-        if not isinstance(err, exc):
-            self.failures.append(f"rank {ME}: {msg}: expected {exc.__name__}, got {err!r}")
-        elif ranks is not None and tuple(err.ranks) != tuple(ranks):
-            self.failures.append(f"rank {ME}: {msg}: {exc.__name__}.ranks == {err.ranks}, expected {tuple(ranks)}")
-
-    @staticmethod
-    def _diff(a, b):
-        if a.shape != b.shape:
-            return f"shapes {a.shape} vs {b.shape}"
-        d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-        d = np.where(np.isnan(d), np.inf, d)
-        return f"max |diff| {d.max():.3g} at {int(d.argmax())}, {int(np.count_nonzero(d))} differ" if d.size else "empty"
-
-    def done(self):
-        everyone = WORLD.allgather(self.failures)
-        failures = [f for fs in everyone for f in fs]
-        assert not failures, "\n".join(failures[:30])
-
-
-def call(fn, *args, **kw):
-    """Run a collective call; return (result, exception) instead of raising."""
-    try:
-        return fn(*args, **kw), None
-    except Exception as e:  # noqa: BLE001 -- we check the type afterwards, on every rank
-        return None, e
-
-
 def rank_arrays(r, step, dtype=np.float32, base=1000):
     rng = np.random.default_rng([base + r, step])
     return [rng.standard_normal(s).astype(dtype) for s in SHAPES]

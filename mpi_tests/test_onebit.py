@@ -20,6 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
+from mpi_checks import Checks as _Checks, call  # noqa: E402
 from slamb_comm.errors import LayoutError, NonFiniteError, PeerError
 from slamb_comm.onebit import OneBitExchange, padded_size
 
@@ -37,43 +38,8 @@ N = 3178
 DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8)
 
 
-class Checks:
-    """Collect failures; :meth:`done` raises on every rank if any rank had one."""
-
-    def __init__(self):
-        self.failures = []
-
-    def true(self, cond, msg):
-        if not bool(cond):
-            self.failures.append(f"rank {ME}: {msg}")
-
-    def close(self, a, b, msg, rtol=1e-12, atol=1e-13):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
-            d = np.abs(a - b).max() if a.shape == b.shape and a.size else "shape"
-            self.failures.append(f"rank {ME}: {msg}: not close (max |diff| {d})")
-
-    def equal(self, a, b, msg):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
-            self.failures.append(f"rank {ME}: {msg}: not equal")
-
-    def raised(self, err, exc, msg, ranks=None):
-        if not isinstance(err, exc):
-            self.failures.append(f"rank {ME}: {msg}: expected {exc.__name__}, got {err!r}")
-        elif ranks is not None and tuple(err.ranks) != tuple(ranks):
-            self.failures.append(f"rank {ME}: {msg}: ranks {err.ranks}, expected {tuple(ranks)}")
-
-    def done(self):
-        failures = [f for fs in WORLD.allgather(self.failures) for f in fs]
-        assert not failures, "\n".join(failures[:30])
-
-
-def call(fn, *args, **kw):
-    try:
-        return fn(*args, **kw), None
-    except Exception as e:  # noqa: BLE001 -- checked afterwards, on every rank
-        return None, e
+class Checks(_Checks):
+    RTOL, ATOL = 1e-12, 1e-13
 
 
 def make(r, step, dtype=np.float64, xp=np):

@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import slamb_comm  # noqa: E402
+from mpi_checks import Checks as _Checks, call  # noqa: E402
 from slamb_comm.adapters import torch as st  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -123,39 +124,11 @@ def digest(a):
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-class Checks:
-    """Collect failures; :meth:`done` raises on every rank if any rank had one."""
-
-    def __init__(self):
-        self.failures = []
-
-    def true(self, cond, msg):
-        if not bool(cond):
-            self.failures.append(f"rank {ME}: {msg}")
-
-    def close(self, a, b, msg, rtol=1e-9, atol=1e-11):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
-            d = np.abs(a - b).max() if a.shape == b.shape and a.size else "shape"
-            self.failures.append(f"rank {ME}: {msg}: not close (max |diff| {d})")
-
-    def equal(self, a, b, msg):
-        if not np.array_equal(np.asarray(a), np.asarray(b)):
-            self.failures.append(f"rank {ME}: {msg}: not equal")
+class Checks(_Checks):
+    RTOL, ATOL = 1e-9, 1e-11
 
     def same_everywhere(self, model, msg):
         self.true(len(set(WORLD.allgather(digest(flat(model))))) == 1, f"{msg}: parameters differ between ranks")
-
-    def done(self):
-        failures = [f for fs in WORLD.allgather(self.failures) for f in fs]
-        assert not failures, "\n".join(failures[:30])
-
-
-def call(fn, *args, **kw):
-    try:
-        return fn(*args, **kw), None
-    except Exception as e:  # noqa: BLE001 -- checked afterwards, on every rank
-        return None, e
 
 
 # ----------------------------------------------------------------------------- the spec, every step
