@@ -11,12 +11,27 @@ each), keeps each method's best final validation loss, and writes:
 * ``<out>/convergence.png``: validation loss against step and against bytes moved;
 * ``<out>/convergence.md``: the table for the README, with the command that made it.
 
-Methods: dense LAMB (Horovod allreduce), SLAMB at ratio 0.1 (fp32 and fp16 payload) and
-0.01 (cyclic mask, beta3 0.9, H = 100), top-k (k = 0.01) error-feedback Adam, dense Adam.
+Methods: dense LAMB (Horovod allreduce), 1-bit LAMB (DeepSpeed's rule: ``--freeze-step``
+dense LAMB steps, default 15% of the run, then the 1-bit momentum exchange), SLAMB at ratio
+0.1 (fp32 and fp16 payload) and 0.01 (cyclic mask, beta3 0.9, H = 100), top-k (k = 0.01)
+error-feedback Adam, dense Adam.
+
+Seeds and batch: ``--seeds 0,1,2`` runs every (method, lr) at each seed (model init, data
+order, SLAMB mask); each method's best lr is the one with the lowest *mean* final validation
+loss over the seeds, and the table gives that mean, the spread over seeds and the total bytes
+handed to the collectives. ``--batch-size`` is sequences per rank (global batch = ranks x
+batch size). The issue's comparison (4 ranks, three seeds, then a global batch of 256 at
+seed 0):
+
+    python3 benchmarks/convergence.py --methods "dense LAMB,1-bit LAMB,SLAMB k=0.1 fp32,SLAMB k=0.1 fp16" \
+        --seeds 0,1,2 --out benchmarks/results/convergence_onebit
+    python3 benchmarks/convergence.py --methods "dense LAMB,1-bit LAMB,SLAMB k=0.1 fp32,SLAMB k=0.1 fp16" \
+        --seeds 0 --batch-size 64 --out benchmarks/results/convergence_onebit_b256
 """
 
 import argparse
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -25,62 +40,97 @@ import time
 from csvout import write_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import common  # noqa: E402  (examples/common.py: the default 1-bit LAMB freeze_step)
 
 LAMB_GRID = (0.005, 0.01, 0.02)
 ADAM_GRID = (0.001, 0.002, 0.004)
 METHODS = [
     # (label, train_lm.py arguments, lr grid)
     ("dense LAMB", ["--optimizer", "lamb"], LAMB_GRID),
+    ("1-bit LAMB", ["--optimizer", "onebit_lamb"], LAMB_GRID),
     ("SLAMB k=0.1 fp32", ["--optimizer", "slamb", "--ratio", "0.1"], LAMB_GRID),
     ("SLAMB k=0.1 fp16", ["--optimizer", "slamb", "--ratio", "0.1", "--value-dtype", "float16"], LAMB_GRID),
     ("SLAMB k=0.01 fp32", ["--optimizer", "slamb", "--ratio", "0.01"], LAMB_GRID),
     ("top-k Adam k=0.01", ["--optimizer", "topk-adam", "--ratio", "0.01"], ADAM_GRID),
     ("dense Adam", ["--optimizer", "adam"], ADAM_GRID),
 ]
+METHOD_ARGS = {label: extra for label, extra, _ in METHODS}
 
 
-def run_one(label, extra, lr, args, out_dir):
-    tag = "".join(c if c.isalnum() else "_" for c in f"{label}_{lr}")
-    path = os.path.join(out_dir, "runs", f"{tag}.csv")
+DEFAULT_BATCH = 16  # sequences per rank: examples/train_lm.py's default
+DEFAULT_STEPS = 600
+
+
+def run_tag(label, lr, seed, args):
+    """The run's CSV name. Seed 0, the default batch and steps give the historical name
+    (``<label>_<lr>``), so runs already in an output folder are reused."""
+    tag = f"{label}_{lr}"
+    if seed != 0:
+        tag += f"_seed{seed}"
+    if args.batch_size != DEFAULT_BATCH:
+        tag += f"_batch{args.batch_size}"
+    if args.steps != DEFAULT_STEPS:
+        tag += f"_steps{args.steps}"
+    if args.freeze_step is not None and "onebit_lamb" in METHOD_ARGS.get(label, []):
+        tag += f"_freeze{args.freeze_step}"
+    return "".join(c if c.isalnum() else "_" for c in tag)
+
+
+def run_one(label, extra, lr, seed, args, out_dir):
+    path = os.path.join(out_dir, "runs", f"{run_tag(label, lr, seed, args)}.csv")
     if os.path.exists(path) and not args.rerun:
-        print(f"[convergence] {label} lr={lr}: reusing {path}", flush=True)
+        print(f"[convergence] {label} lr={lr} seed={seed}: reusing {path}", flush=True)
     else:
         cmd = ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), str(args.ranks), str(args.timeout),
                sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), *extra, "--lr", str(lr),
                "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--beta3", str(args.beta3),
-               "--seed", str(args.seed), "--no-progress", "--csv", path]
+               "--seed", str(seed), "--batch", str(args.batch_size), "--no-progress", "--csv", path]
+        if args.freeze_step is not None and "onebit_lamb" in extra:
+            cmd += ["--freeze-step", str(args.freeze_step)]
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"{label} lr={lr} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        print(f"[convergence] {label} lr={lr}: {time.time() - t0:.0f} s", flush=True)
+            raise SystemExit(f"{label} lr={lr} seed={seed} failed (rc {proc.returncode}):\n"
+                             f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        print(f"[convergence] {label} lr={lr} seed={seed}: {time.time() - t0:.0f} s", flush=True)
     rows = list(csv.DictReader(open(path)))
     for r in rows:
         r["label"] = label
+        r["seed"] = seed
+        r["batch_per_rank"] = args.batch_size
     return rows
 
 
-def plot(best, out_dir):
+def mean_sd(xs):
+    """Mean and sample standard deviation (0 for one value)."""
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def plot(best, out_dir, title):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, rows in best.items():
+    for label, runs in best.items():  # runs: one list of rows per seed; the curve is their mean
+        rows = runs[0]
         steps = [int(r["step"]) for r in rows]
-        loss = [float(r["val_loss"]) for r in rows]
+        loss = [sum(float(run[i]["val_loss"]) for run in runs) / len(runs) for i in range(len(rows))]
         mb = [float(r["bytes"]) / 1e6 for r in rows]
         a.plot(steps, loss, marker=".", label=f"{label} (lr {rows[0]['lr']})")
         b.plot(mb, loss, marker=".", label=label)
     a.set_xlabel("step")
-    a.set_ylabel("validation loss (nats/byte)")
+    a.set_ylabel("validation loss (nats/byte), mean over seeds")
     b.set_xlabel("MB handed to the collectives per rank")
     b.set_xscale("log")
     for ax in (a, b):
         ax.grid(alpha=0.3)
     a.legend(fontsize=8)
-    fig.suptitle("byte-level LM on the Python stdlib, 4 ranks, best lr per method")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "convergence.png"), dpi=110)
 
@@ -89,47 +139,71 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/convergence")
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--beta3", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the seed, when --seeds is not given")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (e.g. 0,1,2): every run at each")
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                    help="sequences per rank (global batch = ranks x this); e.g. 64 at 4 ranks for 256")
+    ap.add_argument("--freeze-step", type=int, default=None,
+                    help="1-bit LAMB warm-up steps (default: train_lm.py's, 15%% of --steps)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     ap.add_argument("--methods", default="all", help="comma-separated labels, or 'all'")
     ap.add_argument("--grid-size", type=int, default=3, help="use the first N learning rates of each grid")
     ap.add_argument("--rerun", action="store_true", help="rerun runs whose CSV exists")
     args = ap.parse_args(argv)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     out_dir = os.path.join(ROOT, args.out) if not os.path.isabs(args.out) else args.out
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
-    methods = METHODS if args.methods == "all" else [m for m in METHODS if m[0] in args.methods.split(",")]
+    wanted = None if args.methods == "all" else [m.strip() for m in args.methods.split(",")]
+    if wanted:
+        unknown = [m for m in wanted if m not in METHOD_ARGS]
+        if unknown:
+            raise SystemExit(f"unknown method(s) {unknown}; choose from {list(METHOD_ARGS)}")
+    methods = METHODS if wanted is None else [m for m in METHODS if m[0] in wanted]
 
     all_rows, best = [], {}
     for label, extra, grid in methods:
-        finals = {}
+        finals = {}  # lr -> one list of rows per seed
         for lr in grid[: args.grid_size]:
-            rows = run_one(label, extra, lr, args, out_dir)
-            all_rows += rows
-            finals[lr] = rows
-        lr_best = min(finals, key=lambda lr: float(finals[lr][-1]["val_loss"]))
+            finals[lr] = []
+            for seed in seeds:
+                rows = run_one(label, extra, lr, seed, args, out_dir)
+                all_rows += rows
+                finals[lr].append(rows)
+        lr_best = min(finals, key=lambda lr: mean_sd([float(run[-1]["val_loss"]) for run in finals[lr]])[0])
         best[label] = finals[lr_best]
 
     write_rows(all_rows, os.path.join(out_dir, "runs.csv"))
-    plot(best, out_dir)
+    seeds_txt = ", ".join(map(str, seeds))
+    plot(best, out_dir, f"byte-level LM on the Python stdlib, {args.ranks} ranks x {args.batch_size} sequences, "
+                        f"seed(s) {seeds_txt}, best lr per method")
 
+    freeze = common.onebit_freeze_step(args)
+    command = "python3 benchmarks/convergence.py " + " ".join(
+        f'"{a}"' if (" " in a or "," in a) else a for a in (argv if argv is not None else sys.argv[1:]))
     ref = best.get("dense LAMB")
+    ref_mean = mean_sd([float(run[-1]["val_loss"]) for run in ref])[0] if ref else None
     lines = [
-        f"Command: `python3 benchmarks/convergence.py --out {args.out}` ({args.ranks} ranks, {args.steps} steps, "
-        f"global batch {args.ranks} x 16 sequences x 64 bytes, seed {args.seed}, SLAMB beta3 {args.beta3}, H = 100, cyclic mask; "
-        f"lr grids: LAMB/SLAMB {LAMB_GRID[: args.grid_size]}, Adam {ADAM_GRID[: args.grid_size]}; "
-        "best final validation loss per method).",
+        f"Command: `{command.strip()}` ({args.ranks} ranks, {args.steps} steps, "
+        f"global batch {args.ranks} x {args.batch_size} sequences x 64 bytes, seed(s) {seeds_txt}, "
+        f"SLAMB beta3 {args.beta3}, H = 100, cyclic mask; 1-bit LAMB freeze_step {freeze}; "
+        f"lr grids: LAMB/SLAMB/1-bit LAMB {LAMB_GRID[: args.grid_size]}, Adam {ADAM_GRID[: args.grid_size]}; "
+        "best lr per method by mean final validation loss over the seeds).",
         "",
-        "| method | best lr | final val loss | vs dense LAMB | bytes vs dense allreduce |",
-        "|---|---|---|---|---|",
+        "| method | best lr | final val loss (mean) | sd over seeds | per seed | vs dense LAMB | "
+        "bytes vs dense allreduce | MB handed to the collectives per rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for label, rows in best.items():
-        last = rows[-1]
-        vs = f"{float(last['val_loss']) / float(ref[-1]['val_loss']) - 1:+.1%}" if ref else "-"
-        lines.append(f"| {label} | {last['lr']} | {float(last['val_loss']):.4f} | {vs} | "
-                     f"{float(last['bytes_vs_dense']):.1%} |")
+    for label, runs in best.items():
+        lasts = [run[-1] for run in runs]
+        m, sd = mean_sd([float(r["val_loss"]) for r in lasts])
+        mb, _ = mean_sd([float(r["bytes"]) / 1e6 for r in lasts])
+        vs = f"{m / ref_mean - 1:+.1%}" if ref_mean else "-"
+        per_seed = " / ".join(f"{float(r['val_loss']):.4f}" for r in lasts)
+        lines.append(f"| {label} | {lasts[0]['lr']} | {m:.4f} | {sd:.4f} | {per_seed} | {vs} | "
+                     f"{float(lasts[0]['bytes_vs_dense']):.1%} | {mb:.1f} |")
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "convergence.md"), "w") as fh:
         fh.write(table + "\n")

@@ -117,7 +117,7 @@ def mlp_classifier(sizes=(64, 512, 256, 10)):
 
 
 # ---------------------------------------------------------------------- training (torch + horovod)
-OPTIMIZERS = ("slamb", "lamb", "adam", "sgd", "topk-adam")
+OPTIMIZERS = ("slamb", "lamb", "onebit_lamb", "adam", "sgd", "topk-adam")
 
 
 def add_training_args(ap, steps, lr):
@@ -134,6 +134,9 @@ def add_training_args(ap, steps, lr):
                     help="SLAMB cyclic mask: runs of this many contiguous elements (1: single elements)")
     ap.add_argument("--value-dtype", choices=["float32", "float16"], default="float32",
                     help="payload dtype of the sparse exchange")
+    ap.add_argument("--freeze-step", type=int, default=None,
+                    help="onebit_lamb: dense LAMB warm-up steps before the 1-bit exchange "
+                         "(default: 15%% of --steps, at least 10; see onebit_freeze_step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mask-seed", type=int, default=None,
                     help="SLAMB: the mask's seed alone (default: --seed), to vary the mask with the rest fixed")
@@ -141,6 +144,20 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--csv", default=None, help="write one row per evaluation (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
+def onebit_freeze_step(args):
+    """1-bit LAMB's warm-up length: ``--freeze-step``, else 15% of ``--steps`` and at least 10.
+
+    Why 15%: DeepSpeed's 1-bit LAMB BERT recipes freeze after about 23k of their 150k+ steps
+    (~15%), long enough for the second moment v (frozen afterwards) to settle; and the floor of
+    10 is ``1 / (1 - coeff_beta)`` at the default coeff_beta 0.9, the warm-up DeepSpeed's
+    docstring asks for at least so that the frozen LAMB coefficient's average has seen enough
+    steps. At the convergence benchmark's 600 steps this is 90 dense steps, then 510 compressed.
+    """
+    if args.freeze_step is not None:
+        return args.freeze_step
+    return max(10, int(round(0.15 * args.steps)))
 
 
 def build_optimizer(args, model):
@@ -162,6 +179,15 @@ def build_optimizer(args, model):
             shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3,
                        sync_interval=args.sync_interval, mask=args.mask, block=args.block,
                        value_dtype=args.value_dtype, seed=args.seed if args.mask_seed is None else args.mask_seed),
+            named_parameters=named)
+        return opt, opt.step_traffic
+    if args.optimizer == "onebit_lamb":
+        # DeepSpeed's defaults but lr and weight decay (bias_correction=False is DeepSpeed's rule).
+        # step_traffic() reads the communicator's stats: warm-up steps record the dense fp32
+        # allreduce of the gradient (plus its status word), compressed steps the 1-bit exchange
+        # (packed signs and scales in an all-to-all and an allgather).
+        opt = shvd.DistributedOptimizer(
+            shvd.OneBitLAMB(params, lr=args.lr, weight_decay=args.weight_decay, freeze_step=onebit_freeze_step(args)),
             named_parameters=named)
         return opt, opt.step_traffic
     if args.optimizer == "topk-adam":
@@ -218,7 +244,8 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
               + (f", ratio {args.ratio}, beta3 {args.beta3}, H {args.sync_interval}, mask {args.mask}"
                  + (f" (runs of {args.block})" if args.block != 1 else "") + ", "
                  f"{args.value_dtype} payload" if args.optimizer == "slamb" else "")
-              + (f", k {args.ratio}, {args.value_dtype} payload" if args.optimizer == "topk-adam" else ""),
+              + (f", k {args.ratio}, {args.value_dtype} payload" if args.optimizer == "topk-adam" else "")
+              + (f", freeze_step {onebit_freeze_step(args)}" if args.optimizer == "onebit_lamb" else ""),
               flush=True)
         if not args.no_progress:
             from tqdm import tqdm
@@ -246,6 +273,8 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
                    "val_loss": val_loss, metric_name: metric, "bytes": moved, "dense_bytes": dense_moved,
                    "bytes_vs_dense": moved / dense_moved, "seconds": time.perf_counter() - t0,
                    "step_ms_median": 1e3 * float(np.median(step_times[min(5, len(step_times) // 5):]))}
+            if args.optimizer == "onebit_lamb":
+                row["freeze_step"] = onebit_freeze_step(args)
             rows.append(row)
             if me == 0:
                 msg = (f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  {metric_name} "

@@ -4,9 +4,14 @@
 
 Byte-level, 2 layers, d = 128, context 64, 16 sequences per rank (the setting of
 ALGORITHM.md section 5). Choose the optimizer with ``--optimizer``: ``slamb`` (sparse
-momentum, this library), ``lamb`` (dense LAMB over Horovod allreduce), ``adam``, ``sgd``,
-or ``topk-adam`` (Adam on top-k gradients with error feedback). Rank 0 logs training and
-validation loss and the bytes handed to the collectives against a dense allreduce.
+momentum, this library), ``lamb`` (dense LAMB over Horovod allreduce), ``onebit_lamb``
+(1-bit LAMB, docs/onebit_lamb.md: ``--freeze-step`` dense LAMB steps, by default 15% of
+``--steps`` as in DeepSpeed's BERT recipes, then the error-compensated 1-bit momentum
+exchange), ``adam``, ``sgd``, or ``topk-adam`` (Adam on top-k gradients with error
+feedback). Rank 0 logs training and validation loss and the bytes handed to the collectives
+against a dense allreduce: for ``onebit_lamb`` the warm-up steps count the dense fp32
+allreduce of the gradient, the later ones the 1-bit exchange's signs and scales, both as the
+communicator's statistics record them (``step_traffic()``).
 """
 
 import argparse
