@@ -279,7 +279,11 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$0"; exec /bin/sh -
         np_ = self.nodes if np_ is None else int(np_)
         mca = [("pml", "ob1"), ("btl", "tcp,self"), ("btl_tcp_if_include", str(self.net)),
                ("oob_tcp_if_include", str(self.net)), ("plm_rsh_agent", self.agent),
-               ("plm_rsh_no_tree_spawn", "1"), ("btl_vader_single_copy_mechanism", "none"), *extra_mca]
+               ("plm_rsh_no_tree_spawn", "1"), ("btl_vader_single_copy_mechanism", "none"),
+               # emulated nodes share this machine's cores: a rank waiting on the network yields
+               # its core instead of busy-polling TCP (which slowed every rank's compute by
+               # ~40%: the 1 Gbit/s step's excess was CPU contention, not bandwidth)
+               ("mpi_yield_when_idle", "1"), *extra_mca]
         argv = ["mpirun", "--allow-run-as-root", "-np", str(np_), "--hostfile", self.hostfile,
                 "--map-by", "node", "--bind-to", "none"]
         for k, v in mca:

@@ -8,4 +8,6 @@ flags=(--oversubscribe --bind-to none -np "$np")
 [ "$(id -u)" = 0 ] && flags=(--allow-run-as-root "${flags[@]}")
 export OMPI_MCA_btl_vader_single_copy_mechanism=none   # containers often forbid CMA (ptrace)
 export OMPI_MCA_rmaps_base_oversubscribe=1
+# More ranks than cores: a rank waiting in MPI yields its core instead of busy-polling
+export OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"
 exec timeout --signal=TERM --kill-after=30 "$limit" mpirun "${flags[@]}" "$@"
