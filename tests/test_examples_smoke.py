@@ -39,6 +39,17 @@ def test_lm_example_each_optimizer(optimizer, tmp_path):
         assert frac == 1.0
 
 
+def test_lm_example_onebit_lamb_compresses_after_freeze_step(tmp_path):
+    out_csv = tmp_path / "lm.csv"
+    out = mpirun(2, "examples/train_lm.py", "--optimizer", "onebit_lamb", "--steps", "8", "--freeze-step", "4",
+                 "--eval-every", "4", "--eval-batches", "1", "--files", "20", "--no-progress", "--csv", str(out_csv))
+    assert "summary: onebit_lamb final val loss" in out
+    rows = list(csv.DictReader(open(out_csv)))
+    # warm-up: dense LAMB's bytes; then the 1-bit exchange: 1/32 (1 + 1/P) of them per step
+    assert float(rows[0]["bytes_vs_dense"]) == pytest.approx(1.0, abs=1e-4)  # plus a 4-byte status word
+    assert 0.5 < float(rows[-1]["bytes_vs_dense"]) < 0.6, rows[-1]
+
+
 def test_digits_example_slamb_fp16(tmp_path):
     out = mpirun(2, "examples/train_digits.py", "--steps", "6", "--eval-every", "3", "--value-dtype", "float16",
                  "--no-progress")
