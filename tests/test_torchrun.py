@@ -49,7 +49,9 @@ for t in range(start + 1, stop + 1):
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}.{rank}")
+dist.barrier()
 dist.destroy_process_group()
+import os; os._exit(0)  # past torch 2.13 gloo's occasional abort in interpreter teardown (see examples/ddp_slamb.py)
 """
 
 
