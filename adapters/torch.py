@@ -246,7 +246,7 @@ def _schedule(e):
     (integers: a checkpoint keeps them exactly, where torch would cast a float tensor to the
     parameters' dtype); None if it has had none."""
     mask = e.comm.mask
-    if mask.kind != "cyclic" or (mask.origin == 0 and mask.prev is None):
+    if "schedule" not in mask.state_dict():
         return None
     return [[m.num_chunks, m.origin] for m in mask.levels()]
 
@@ -776,7 +776,10 @@ class SLAMB(torch.optim.Optimizer):
                 k = self._requested_ratio(e)
             except ConfigError as err:
                 problem = err
-        e.rule.set_ratio(k) if problem is None else e.comm.set_ratio(k, e.rule.t, problem=problem)
+        if problem is None:
+            e.rule.set_ratio(k)
+        else:  # still collective: the other ranks learn of it and raise PeerError
+            e.comm.set_ratio(k, e.rule.t, problem=problem)
         e.key = e.key[:3] + ((e.comm.ratio,) + e.key[3][1:],) + e.key[4:]
         self._publish(e)
 

@@ -1,9 +1,12 @@
 """Checks collected on every rank of an MPI test and asserted together (after the test's last
-collective, so a failed check never leaves another rank waiting), and ``call`` to catch a
-collective's exception for checking on every rank."""
+collective, so a failed check never leaves another rank waiting), ``call`` to catch a
+collective's exception for checking on every rank, and the transports that carry device
+(CuPy) buffers, by name."""
 
 import numpy as np
 from mpi4py import MPI
+
+import slamb_comm as sc
 
 WORLD = MPI.COMM_WORLD
 ME = WORLD.rank
@@ -66,3 +69,16 @@ class Checks:
     def done(self):
         failures = [f for fs in WORLD.allgather(self.failures) for f in fs]
         assert not failures, "\n".join(failures[:30])
+
+
+#: the transports for CuPy buffers: MPI staged through the host, CUDA-aware MPI, NCCL
+DEVICE_TRANSPORTS = ["mpi-staged", "mpi-direct", "nccl"]
+
+
+def device_transport(kind):
+    """A transport of :data:`DEVICE_TRANSPORTS` by name."""
+    if kind == "mpi-staged":
+        return sc.MPITransport(cuda_aware=False)
+    if kind == "mpi-direct":
+        return sc.MPITransport(cuda_aware=True)
+    return sc.NCCLTransport(abort_on_exception=False)

@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from mpi_checks import Checks as _Checks, call  # noqa: E402
+from mpi_checks import DEVICE_TRANSPORTS, Checks as _Checks, call, device_transport  # noqa: E402
 from slamb_comm.errors import LayoutError, NonFiniteError, PeerError
 from slamb_comm.onebit import OneBitExchange, padded_size
 
@@ -240,30 +240,21 @@ def cp():
         del nccl.groupStart, nccl.groupEnd, comm_cls.send, comm_cls.recv
 
 
-def cupy_transport(kind):
-    if kind == "mpi-staged":
-        return sc.MPITransport(cuda_aware=False)
-    if kind == "mpi-direct":
-        return sc.MPITransport(cuda_aware=True)
-    return sc.NCCLTransport(abort_on_exception=False)
 
 
-KINDS = ["mpi-staged", "mpi-direct", "nccl"]
-
-
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 def test_cupy_alltoall(cp, kind):
     chk = Checks()
-    check_alltoall(chk, cupy_transport(kind), xp=cp, what=kind)
+    check_alltoall(chk, device_transport(kind), xp=cp, what=kind)
     if kind == "nccl":  # NumPy buffers staged through the device
-        check_alltoall(chk, cupy_transport(kind), what="nccl (numpy)")
+        check_alltoall(chk, device_transport(kind), what="nccl (numpy)")
     chk.done()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 def test_cupy_exchange_equals_numpy_path(cp, kind):
     chk = Checks()
-    a, b = exchange(), exchange(cupy_transport(kind), xp=cp)
+    a, b = exchange(), exchange(device_transport(kind), xp=cp)
     for step in range(1, 4):
         xa, xb = make(ME, step), make(ME, step, xp=cp)
         a.allreduce(xa)

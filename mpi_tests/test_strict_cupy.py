@@ -21,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
+from mpi_checks import DEVICE_TRANSPORTS, device_transport
 from slamb_comm.slamb import Slamb
 
 from slamb_reference import ReferenceSlamb
@@ -39,15 +40,6 @@ def cp():
         yield mod
 
 
-def transport(kind):
-    if kind == "mpi-staged":
-        return sc.MPITransport(cuda_aware=False)
-    if kind == "mpi-direct":
-        return sc.MPITransport(cuda_aware=True)
-    return sc.NCCLTransport(abort_on_exception=False)
-
-
-KINDS = ["mpi-staged", "mpi-direct", "nccl"]
 
 
 def rank_arrays(xp, r, seed, dtype=np.float32, shapes=SHAPES):
@@ -62,7 +54,7 @@ def host(a):
 
 
 def exchanges(xp, kind, mask, vdt):
-    comm = sc.Communicator(transport(kind) if xp is not np else sc.MPITransport(), rank_arrays(xp, ME, 0),
+    comm = sc.Communicator(device_transport(kind) if xp is not np else sc.MPITransport(), rank_arrays(xp, ME, 0),
                            ratio=0.1, mask=mask, value_dtype=vdt, seed=17, bucket_bytes=20_000)
     out = []
     for step in (1, 2):
@@ -80,7 +72,7 @@ def exchanges(xp, kind, mask, vdt):
 @pytest.mark.mpi
 @pytest.mark.parametrize("vdt", ["float32", "float16"])
 @pytest.mark.parametrize("mask", ["cyclic", "topk"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 def test_exchanges_equal_the_numpy_path(cp, kind, mask, vdt):
     ref = exchanges(np, None, mask, vdt)
     got = exchanges(cp, kind, mask, vdt)
@@ -94,11 +86,11 @@ def test_exchanges_equal_the_numpy_path(cp, kind, mask, vdt):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 @pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
 def test_slamb_on_the_device_matches_the_dense_reference(cp, kind, mask):
     x = rank_arrays(cp, ME, 100)
-    comm = sc.Communicator(transport(kind), x, ratio=0.1, mask=mask, seed=11)
+    comm = sc.Communicator(device_transport(kind), x, ratio=0.1, mask=mask, seed=11)
     opt = Slamb(comm, lr=0.02, weight_decay=0.01, beta3=0.9, sync_interval=4)
     ref = ReferenceSlamb([rank_arrays(np, r, 100) for r in range(P)], comm.layout.offsets, lr=0.02, wd=0.01,
                          beta3=0.9, H=4)
@@ -124,7 +116,7 @@ def test_host_reads_per_slamb_step_with_nccl(cp, tensors):
     exchange's status word, and the sync's."""
     shapes = [(64, 160)] * tensors
     x = rank_arrays(cp, ME, 5, shapes=shapes)
-    comm = sc.Communicator(transport("nccl"), x, ratio=0.1, seed=3, value_dtype="float16")
+    comm = sc.Communicator(device_transport("nccl"), x, ratio=0.1, seed=3, value_dtype="float16")
     opt = Slamb(comm, lr=0.01, sync_interval=2)
     counts = []
     for t in range(1, 5):
@@ -143,7 +135,7 @@ def test_host_reads_per_slamb_step_with_mpi(cp, kind):
     through the host, or waiting for the stream before handing MPI the pointer)."""
     shapes = [(64, 160)] * 10
     x = rank_arrays(cp, ME, 5, shapes=shapes)
-    comm = sc.Communicator(transport(kind), x, ratio=0.1, seed=3)
+    comm = sc.Communicator(device_transport(kind), x, ratio=0.1, seed=3)
     opt = Slamb(comm, lr=0.01, sync_interval=2)
     counts = []
     for t in range(1, 3):
@@ -156,25 +148,25 @@ def test_host_reads_per_slamb_step_with_mpi(cp, kind):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 def test_odd_float16_topk_payloads_stay_aligned(cp, kind):
     """Defect 1: rank r >= 1's payload started 2 bytes off a multiple of 4 when K was odd with
     float16 values, and its int32 indices faulted on a GPU (the double raises)."""
     x = [cp.ones((10, 1223), np.float32)]
-    comm = sc.Communicator(transport(kind), x, ratio=0.1, value_dtype="float16", seed=1)
+    comm = sc.Communicator(device_transport(kind), x, ratio=0.1, value_dtype="float16", seed=1)
     assert comm.wire.k_total % 2 == 1
     out = comm.sparse_allgather([cp.full((10, 1223), float(ME + 1), np.float32)])
     assert isinstance(out[0], cp.ndarray)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEVICE_TRANSPORTS)
 def test_bfloat16_on_one_rank_raises_on_every_rank(cp, kind):
     """Defect 8: a bfloat16 device tensor used to raise CuPy's own error on that rank only."""
     if P == 1:
         pytest.skip("needs two ranks")
 
-    comm = sc.Communicator(transport(kind), rank_arrays(cp, ME, 0), ratio=0.1, seed=1)
+    comm = sc.Communicator(device_transport(kind), rank_arrays(cp, ME, 0), ratio=0.1, seed=1)
     x = rank_arrays(cp, ME, 1)
     if ME == P - 1:
         x[0] = strict_cupy.Bfloat16CudaTensor((60, 200))

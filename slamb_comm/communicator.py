@@ -650,8 +650,8 @@ class Communicator:
         if state.get("digest") != self._digest(ratio).hex():
             raise LayoutMismatchError("the saved state was made for a different layout or options")
         schedule = [(float(k), int(o)) for k, o in saved.get("schedule") or ()]
-        mine = self.mask.schedule() if self.mask_kind == "cyclic" else []
-        if int(state["seed"]) != self.seed or ratio != self.ratio or (schedule or [(ratio, 0)]) != (mine or [(ratio, 0)]):
+        mine = [tuple(x) for x in self.mask.state_dict().get("schedule") or ()]
+        if int(state["seed"]) != self.seed or ratio != self.ratio or schedule != mine:
             self.seed, self.ratio = int(state["seed"]), ratio
             self.mask = make_mask(self.mask_kind, self.layout, ratio, self.seed, self.block, schedule)
             self.wire = TopKWire(self.layout, ratio, self.value_dtype, whole_dense=self.topk_dense)

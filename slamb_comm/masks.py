@@ -352,9 +352,13 @@ class _Geometry:
         """The chunk of every element of ``[lo, hi)`` (an int64 array on ``xp``; O(hi - lo))."""
         if hi <= lo:
             return xp.zeros(0, np.int64)
+        g0, g1 = self.unit(lo) // self.C, self.unit(hi - 1) // self.C + 1
+        if g1 - g0 == 1:  # a head or a tail (every step): a few units, on the host, one copy over
+            q = (np.arange(lo, hi, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
+            c = (q % self.C + self.rot(g0)) % self.C
+            return c if xp is np else xp.asarray(c)
         q = (xp.arange(lo, hi, dtype=np.int64) + self.o) // self.B + (self.qs - self.r0)
-        g0 = self.unit(lo) // self.C
-        h = self.rotations(g0, self.unit(hi - 1) // self.C + 1, xp).astype(np.int64)
+        h = self.rotations(g0, g1, xp).astype(np.int64)
         return (q % self.C + xp.take(h, q // self.C - g0)) % self.C
 
     def body_rotations(self, xp):
