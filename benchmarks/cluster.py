@@ -1,13 +1,15 @@
 # sudo python3 benchmarks/cluster.py bench --nodes 2,4 --rates 1gbit,10gbit,none --out results/cluster.csv
 # sudo python3 benchmarks/cluster.py run --nodes 4 --rate 1gbit -- python3 examples/numpy_slamb.py --steps 50
 # sudo python3 benchmarks/cluster.py lm --nodes 4 --rates 1gbit,10gbit,local --out results/cluster_lm.csv
+# sudo python3 benchmarks/cluster.py tta --nodes 4 --rate 50mbit --out results/cluster_tta.csv
 # sudo python3 benchmarks/cluster.py check --nodes 2          (build, ping every pair, tear down)
 # sudo python3 benchmarks/cluster.py cleanup --prefix slambx  (only after a kill -9 left namespaces behind)
 """An emulated N-node cluster out of network namespaces, and the step-time benchmark run on it.
 
 The command line. The cluster itself (namespaces, veth, bridge, ``tc`` per node link,
 ``mpirun`` over TCP inside them, the safety rules) is ``netns.py``; the experiments are
-``cluster_loop.py`` (``loop``/``bench``/``report``) and ``cluster_lm.py`` (``lm``).
+``cluster_loop.py`` (``loop``/``bench``/``report``), ``cluster_lm.py`` (``lm``) and
+``cluster_tta.py`` (``tta``).
 
 Sub-commands:
 
@@ -21,6 +23,9 @@ Sub-commands:
 * ``lm``     -- the end-to-end benchmark: ``examples/train_lm.py`` with dense LAMB and SLAMB
   for each link rate (and ``local``: plain mpirun, no emulation); median step time and
   bytes per step; CSV, PNG and a table;
+* ``tta``    -- time to accuracy: ``examples/train_lm.py`` with dense LAMB, 1-bit LAMB and
+  SLAMB at their best learning rates on one slow link; training time to dense LAMB's final
+  validation loss; CSV, PNG and a table;
 * ``loop``   -- (run under mpirun) the synthetic training loop: fixed compute, then the
   exchange (``dense``, ``dense_hvd`` or ``slamb``), optionally with the optimizer update.
 """
@@ -33,6 +38,7 @@ import sys
 import time
 
 from cluster_lm import lm_main
+from cluster_tta import add_parser as add_tta_parser, tta_main
 from cluster_loop import bench_main, cluster_table, loop_main, plot_cluster
 from netns import ROOT, Cluster, ClusterError, cleanup
 
@@ -114,6 +120,8 @@ def main(argv=None):
     p.add_argument("--no-plot", action="store_true")
     net_opts(p)
 
+    add_tta_parser(sub, net_opts)
+
     p = sub.add_parser("report", help="table and plot from bench CSV(s), no measuring")
     p.add_argument("csvs", nargs="+")
     p.add_argument("--png", default=None, help="default: the first CSV with .png")
@@ -154,7 +162,8 @@ def main(argv=None):
         if args.cmd == "cleanup":
             cleanup(args.prefix)
             return 0
-        return {"check": check_main, "run": run_main, "bench": bench_main, "lm": lm_main}[args.cmd](args)
+        return {"check": check_main, "run": run_main, "bench": bench_main, "lm": lm_main,
+                "tta": tta_main}[args.cmd](args)
     except ClusterError as e:
         print(f"cluster: {e}", file=sys.stderr)
         return 3

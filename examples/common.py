@@ -137,6 +137,9 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--freeze-step", type=int, default=None,
                     help="onebit_lamb: dense LAMB warm-up steps before the 1-bit exchange "
                          "(default: 15%% of --steps, at least 10; see onebit_freeze_step)")
+    ap.add_argument("--eps", type=float, default=None,
+                    help="the optimizer's eps (default: its own; not for sgd). 1-bit LAMB on models with "
+                         "near-zero second moments needs a larger one: docs/onebit_lamb.md section 4")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mask-seed", type=int, default=None,
                     help="SLAMB: the mask's seed alone (default: --seed), to vary the mask with the rest fixed")
@@ -174,9 +177,12 @@ def build_optimizer(args, model):
 
     named = list(model.named_parameters())
     params = [p for _, p in named]
+    if args.eps is not None and args.optimizer == "sgd":
+        raise SystemExit("--eps: sgd has no eps")
+    eps = {} if args.eps is None else {"eps": args.eps}
     if args.optimizer == "slamb":
         opt = shvd.DistributedOptimizer(
-            shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3,
+            shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=args.ratio, beta3=args.beta3, **eps,
                        sync_interval=args.sync_interval, mask=args.mask, block=args.block,
                        value_dtype=args.value_dtype, seed=args.seed if args.mask_seed is None else args.mask_seed),
             named_parameters=named)
@@ -187,18 +193,19 @@ def build_optimizer(args, model):
         # allreduce of the gradient (plus its status word), compressed steps the 1-bit exchange
         # (packed signs and scales in an all-to-all and an allgather).
         opt = shvd.DistributedOptimizer(
-            shvd.OneBitLAMB(params, lr=args.lr, weight_decay=args.weight_decay, freeze_step=onebit_freeze_step(args)),
+            shvd.OneBitLAMB(params, lr=args.lr, weight_decay=args.weight_decay, freeze_step=onebit_freeze_step(args),
+                            **eps),
             named_parameters=named)
         return opt, opt.step_traffic
     if args.optimizer == "topk-adam":
-        opt = shvd.DistributedOptimizer(torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
+        opt = shvd.DistributedOptimizer(torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **eps),
                                         named_parameters=named,
                                         compression=slamb_comm.TopK(args.ratio, value_dtype=args.value_dtype))
         return opt, opt.step_traffic
     if args.optimizer == "lamb":  # dense LAMB: SLAMB alone (ratio 1) is LAMB; Horovod averages the gradients
-        base = shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=1.0)
+        base = shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=1.0, **eps)
     elif args.optimizer == "adam":
-        base = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        base = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **eps)
     else:
         base = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     opt = hvd.DistributedOptimizer(base, named_parameters=named)
@@ -272,6 +279,7 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
                    "value_dtype": args.value_dtype, "ranks": P, "step": step, "train_loss": train_loss,
                    "val_loss": val_loss, metric_name: metric, "bytes": moved, "dense_bytes": dense_moved,
                    "bytes_vs_dense": moved / dense_moved, "seconds": time.perf_counter() - t0,
+                   "train_seconds": float(sum(step_times)),  # without the evaluations
                    "step_ms_median": 1e3 * float(np.median(step_times[min(5, len(step_times) // 5):]))}
             if args.optimizer == "onebit_lamb":
                 row["freeze_step"] = onebit_freeze_step(args)

@@ -407,9 +407,14 @@ class Communicator:
             else:
                 sel.take(views, out=buf[:m])
             t1 = time.perf_counter()
-            self.reduce_checked(buf, problem, local_nonfinite, f"masked_allreduce at step {step}",
-                                (sel.starts, sel.counts),
-                                sent=lambda: sel.take(views, out=xp.empty(m, self.value_dtype)))
+            payload = (m + 1) * self.value_dtype.itemsize
+            dense = self.layout.total * self.layout.dtype.itemsize
+            traffic = (lambda *times: Traffic(1, payload, allreduce_wire(payload, self.size), dense,
+                                              allreduce_wire(dense, self.size), m, self.layout.total, *times))
+            with self.stats.failed("masked_allreduce", lambda: traffic(t1 - t0, time.perf_counter() - t1, 0.0)):
+                self.reduce_checked(buf, problem, local_nonfinite, f"masked_allreduce at step {step}",
+                                    (sel.starts, sel.counts),
+                                    sent=lambda: sel.take(views, out=xp.empty(m, self.value_dtype)))
             t2 = time.perf_counter()
             # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
             wide = np.promote_types(self.value_dtype, self.layout.dtype)
@@ -420,13 +425,7 @@ class Communicator:
                         vals *= vals.dtype.type(1.0 / self.size)
                     p.put(views[i], None, vals)
         t3 = time.perf_counter()
-        payload = (m + 1) * self.value_dtype.itemsize
-        dense = self.layout.total * self.layout.dtype.itemsize
-        self.stats.record(
-            "masked_allreduce",
-            Traffic(1, payload, allreduce_wire(payload, self.size), dense, allreduce_wire(dense, self.size),
-                    m, self.layout.total, t1 - t0, t2 - t1, t3 - t2),
-        )
+        self.stats.record("masked_allreduce", traffic(t1 - t0, t2 - t1, t3 - t2))
         return x, sel
 
     def sparse_allgather(self, x, commit=True):
@@ -480,9 +479,14 @@ class Communicator:
             self.transport.allgather(send, recv)
             t2 = time.perf_counter()
             recv = recv.reshape(self.size, w.nbytes)
+            payload = w.nbytes
+            dense = lay.total * lay.dtype.itemsize
+            traffic = (lambda *times: Traffic(1, payload, allgather_wire(payload, self.size), dense,
+                                              allreduce_wire(dense, self.size), w.k_total, lay.total, *times))
             codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()  # the one host read
             if any(codes):
-                self._fail(codes, problem, "sparse_allgather")
+                with self.stats.failed("sparse_allgather", lambda: traffic(t1 - t0, t2 - t1, 0.0)):
+                    self._fail(codes, problem, "sparse_allgather")
             # Sum float16 payloads in float32: the sum over ranks may exceed 65504, the mean does not.
             acc = np.promote_types(lay.dtype, np.float32)
             out = xp.zeros(lay.total, dtype=acc)
@@ -497,13 +501,7 @@ class Communicator:
             if commit:
                 self.commit_residual()
         t3 = time.perf_counter()
-        payload = w.nbytes
-        dense = lay.total * lay.dtype.itemsize
-        self.stats.record(
-            "sparse_allgather",
-            Traffic(1, payload, allgather_wire(payload, self.size), dense, allreduce_wire(dense, self.size),
-                    w.k_total, lay.total, t1 - t0, t2 - t1, t3 - t2),
-        )
+        self.stats.record("sparse_allgather", traffic(t1 - t0, t2 - t1, t3 - t2))
         if isinstance(x, (list, tuple)):
             return lay.views(out)
         return out
@@ -581,8 +579,12 @@ class Communicator:
                     b *= scale
                 c0 = time.perf_counter()
                 if first:
-                    word = self.reduce_checked(b, problem, bad, "sync", whole=False, present=scale, mine=lambda: [
-                        not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
+                    sent_bytes = b.size * dt.itemsize  # a failure is found in the first bucket: only it ran
+                    with self.stats.failed("sync", lambda: Traffic(
+                            1, sent_bytes, allreduce_wire(sent_bytes, P), n * dt.itemsize,
+                            allreduce_wire(n * dt.itemsize, P), b.size - 1, n, 0.0, time.perf_counter() - c0, 0.0)):
+                        word = self.reduce_checked(b, problem, bad, "sync", whole=False, present=scale, mine=lambda: [
+                            not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
                     took_part = round(word * P)
                     if 0 < took_part < P:
                         fix = dt.type(P / took_part)

@@ -297,12 +297,13 @@ class OneBitExchange:
                                     recv2[:, :4].copy().view(np.int32).reshape(-1)))
             codes = _arr.to_host(words).tolist()
             codes1, codes2 = codes[:P], codes[P:]
-            if any(codes1) or problem is not None:
-                comm._fail(codes1, problem, "onebit_allreduce")
-            if any(codes2):
-                bad = [r for r, v in enumerate(codes2) if v]
-                raise NonFiniteError(f"onebit_allreduce: the server scale of chunk(s) {bad} is not finite (beyond the "
-                                     f"range of {vdt.name}); nothing was changed", bad)
+            with comm.stats.failed(self.KIND, lambda: self._traffic(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, 0.0)):
+                if any(codes1) or problem is not None:
+                    comm._fail(codes1, problem, "onebit_allreduce")
+                if any(codes2):
+                    bad = [r for r, v in enumerate(codes2) if v]
+                    raise NonFiniteError(f"onebit_allreduce: the server scale of chunk(s) {bad} is not finite (beyond "
+                                         f"the range of {vdt.name}); nothing was changed", bad)
             # ---- decode, write x, commit the error buffers
             sig = recv2[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(P, 1).astype(acc)
             y = unpack_signs(recv2[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(P, nc).astype(acc)
@@ -319,9 +320,13 @@ class OneBitExchange:
             u -= xp.where(ubits, sigma_acc, -sigma_acc)
             self.worker_error, self.server_error = c, u
         t5 = time.perf_counter()
+        comm.stats.record(self.KIND, self._traffic((t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4))
+        return x
+
+    def _traffic(self, encode_s, comm_s, decode_s):
+        """One exchange's :class:`Traffic`: the all-to-all's P blocks and the allgather's one."""
+        P, B, lay = self.size, self.block, self.layout
         p1, p2 = P * B, B
         dense = lay.total * lay.dtype.itemsize
-        comm.stats.record(self.KIND, Traffic(
-            1, p1 + p2, alltoall_wire(p1, P) + allgather_wire(p2, P), dense, allreduce_wire(dense, P),
-            lay.total, lay.total, (t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4))
-        return x
+        return Traffic(1, p1 + p2, alltoall_wire(p1, P) + allgather_wire(p2, P), dense, allreduce_wire(dense, P),
+                       lay.total, lay.total, encode_s, comm_s, decode_s)

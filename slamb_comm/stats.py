@@ -7,6 +7,7 @@ carries what the dense exchange of the same arrays (an allreduce of the full buf
 own dtype) would have moved, so ``ratio`` reads directly as "fraction of dense".
 """
 
+import contextlib
 from dataclasses import dataclass, fields
 
 __all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire"]
@@ -87,6 +88,17 @@ class Stats:
         self.step = self.step + t
         self.total = self.total + t
         self.by_kind[kind] = self.by_kind.get(kind, Traffic()) + t
+
+    @contextlib.contextmanager
+    def failed(self, kind, traffic):
+        """Around the part of an exchange that may raise after its collectives ran (a NaN or a
+        peer's bad input found in the status words): if it raises, ``traffic()`` is recorded
+        first, so bytes that crossed the network for a step every rank then skipped still count."""
+        try:
+            yield
+        except BaseException:
+            self.record(kind, traffic())
+            raise
 
     def new_step(self):
         """Start a new step: :attr:`step` restarts from zero; returns the finished step's totals."""

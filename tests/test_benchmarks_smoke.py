@@ -88,6 +88,46 @@ def test_cluster_lm_local_writes_step_times_and_bytes(tmp_path):
     assert (tmp_path / "lm.png").stat().st_size > 1000
 
 
+def test_cluster_tta_local_finds_the_time_to_dense_lambs_loss(tmp_path):
+    out_csv = tmp_path / "tta.csv"
+    p = subprocess.run([sys.executable, CLUSTER, "tta", "--nodes", "2", "--rate", "local", "--steps", "8",
+                        "--eval-every", "4", "--files", "5", "--methods", "SLAMB k=0.1 fp16,dense LAMB",
+                        "--lrs", "dense LAMB=0.01,SLAMB k=0.1 fp16=0.01", "--timeout", "300", "--out", str(out_csv)],
+                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = list(csv.DictReader(open(out_csv)))
+    assert [(r["label"], r["step"]) for r in rows] == [("dense LAMB", "4"), ("dense LAMB", "8"),
+                                                      ("SLAMB k=0.1 fp16", "4"), ("SLAMB k=0.1 fp16", "8")]
+    assert all(0 < float(r["train_seconds"]) <= float(r["seconds"]) for r in rows)
+    table = (tmp_path / "tta.md").read_text()
+    target = float(rows[1]["val_loss"])
+    assert f"target: dense LAMB's final validation loss {target:.4f}" in table
+    dense_line = next(line for line in table.splitlines() if line.startswith("| dense LAMB |"))
+    first = next(r for r in rows[:2] if float(r["val_loss"]) <= target)  # dense LAMB reaches its own loss
+    assert dense_line.startswith(f"| dense LAMB | 0.01 | {first['step']} | ") and "| 1.00x |" in dense_line
+    slamb = [r for r in rows if r["label"] != "dense LAMB"]
+    hit = next((r for r in slamb if float(r["val_loss"]) <= target), None)
+    slamb_line = next(line for line in table.splitlines() if line.startswith("| SLAMB k=0.1 fp16 |"))
+    assert ("not reached" in slamb_line) == (hit is None)
+    assert (tmp_path / "tta.png").stat().st_size > 1000
+
+
+def test_convergence_tune_seed_sweeps_one_seed_then_runs_the_best_lr(tmp_path):
+    p = subprocess.run([sys.executable, "benchmarks/convergence.py", "--methods", "dense LAMB", "--ranks", "2",
+                        "--steps", "4", "--eval-every", "2", "--seeds", "0,1", "--tune-seed", "0", "--grid-size", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    runs = sorted(f.name for f in (tmp_path / "runs").iterdir())
+    finals = {lr: float(list(csv.DictReader(open(tmp_path / "runs" / f"dense_LAMB_{lr.replace('.', '_')}_steps4.csv")))
+                        [-1]["val_loss"]) for lr in ("0.005", "0.01")}
+    best = min(finals, key=finals.get)
+    assert runs == sorted(["dense_LAMB_0_005_steps4.csv", "dense_LAMB_0_01_steps4.csv",
+                           f"dense_LAMB_{best.replace('.', '_')}_seed1_steps4.csv"])
+    table = (tmp_path / "convergence.md").read_text()
+    assert "best lr per method by final validation loss at seed 0" in table
+    assert f"| dense LAMB | {best} |" in table
+
+
 # ---------------------------------------------------------------------------- analytic model
 def test_model_runs_and_predicts_sensible_orderings(tmp_path):
     osu = tmp_path / "osu.csv"

@@ -5,6 +5,7 @@ timeout), so a failing rank ends the run instead of hanging it.
 """
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -48,6 +49,16 @@ def test_lm_example_onebit_lamb_compresses_after_freeze_step(tmp_path):
     # warm-up: dense LAMB's bytes; then the 1-bit exchange: 1/32 (1 + 1/P) of them per step
     assert float(rows[0]["bytes_vs_dense"]) == pytest.approx(1.0, abs=1e-4)  # plus a 4-byte status word
     assert 0.5 < float(rows[-1]["bytes_vs_dense"]) < 0.6, rows[-1]
+
+
+def test_digits_example_onebit_lamb_trains_with_a_larger_eps():
+    """docs/onebit_lamb.md section 4: at DeepSpeed's eps 1e-8 1-bit LAMB diverges on the digits
+    right after the freeze; with eps 1e-4 it trains (a finite loss, well below chance)."""
+    out = mpirun(2, "examples/train_digits.py", "--optimizer", "onebit_lamb", "--steps", "60", "--freeze-step", "20",
+                 "--eval-every", "30", "--eps", "1e-4", "--no-progress")
+    line = next(ln for ln in out.splitlines() if ln.startswith("summary: onebit_lamb"))
+    loss = float(line.split("final val loss ")[1].split(",")[0])
+    assert math.isfinite(loss) and loss < 1.0, line  # 10 classes: chance is ln 10 = 2.3
 
 
 def test_digits_example_slamb_fp16(tmp_path):

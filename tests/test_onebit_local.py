@@ -201,6 +201,9 @@ def test_non_finite_raises_and_changes_nothing(bad):
     assert info.value.ranks == (0,)
     np.testing.assert_array_equal(flat(x), keep)
     assert all(np.array_equal(a, b) for a, b in zip(_state(ex), before))
+    # the collectives ran, so their bytes count (a skipped step still used the network)
+    assert ex.comm.stats.total.calls == 2 and ex.comm.stats.by_kind["onebit_allreduce"].calls == 2
+    assert ex.comm.stats.last.payload_bytes == 2 * ex.block and ex.comm.stats.last.decode_s == 0.0
     ex.allreduce(make(2))  # and the exchange goes on
 
 
