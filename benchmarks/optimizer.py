@@ -13,7 +13,11 @@ Arms (each on the same parameters and gradients, one thread on the CPU):
   same tensors, one process, cyclic mask, k = 0.1, the default float32 payload;
 * ``slamb-adapter``: ``slamb_comm.adapters.torch.SLAMB`` (the torch optimizer), same options;
 * ``slamb-core-fp16``: ``slamb-core`` with the float16 payload (on the CPU NumPy converts
-  float16 in software, about 3 ns per element each way, so this arm shows that cost).
+  float16 in software, about 3 ns per element each way, so this arm shows that cost);
+* ``slamb-core-p2``, ``onebit-core-p2`` (memory only, not in the default arms): the SLAMB
+  rule and the 1-bit LAMB rule (:class:`slamb_comm.onebit_lamb.OneBitLamb`, ``freeze_step=1``:
+  one dense step, then the 1-bit exchange) on 2 MPI ranks (``scripts/mpirun.sh 2``), where
+  the exchanges really run; rank 0's peak is reported.
 
 **Time**: the arms step in turn, ``--reps`` times; each arm's median step time is reported,
 and its ratio to the baseline: the median, over the repetitions, of the arm's time over the
@@ -42,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 ARMS_CPU = ["adamw-foreach", "adamw", "slamb-core", "slamb-adapter", "slamb-core-fp16"]
+ARMS_P2 = ["slamb-core-p2", "onebit-core-p2"]  # memory only, on 2 MPI ranks
 ARMS_GPU = ["adamw-fused", "adamw-foreach", "slamb-core", "slamb-adapter", "slamb-core-fp16"]
 SLAMB_OPTS = dict(ratio=0.1, value_dtype="float32", beta3=0.9, sync_interval=100)
 
@@ -79,14 +84,23 @@ def build_arm(arm, params):
 
         opt = SLAMB(params, lr=1e-3, weight_decay=0.01, **SLAMB_OPTS)
         return opt.step
-    if arm in ("slamb-core", "slamb-core-fp16"):
+    if arm in ("slamb-core", "slamb-core-fp16", "slamb-core-p2", "onebit-core-p2"):
         import slamb_comm as sc
+        from slamb_comm.onebit_lamb import OneBitLamb
         from slamb_comm.slamb import Slamb
 
         x = [sc.arrays.as_array(p.detach()) for p in params]
         g = [sc.arrays.as_array(p.grad) for p in params]
+        transport = None
+        if arm.endswith("-p2"):
+            from mpi4py import MPI
+
+            transport = sc.MPITransport(MPI.COMM_WORLD)
+        if arm == "onebit-core-p2":
+            rule = OneBitLamb(sc.Communicator(transport, x), lr=1e-3, weight_decay=0.01, freeze_step=1)
+            return lambda: rule.step(x, g)
         vdt = "float16" if arm.endswith("fp16") else SLAMB_OPTS["value_dtype"]
-        comm = sc.Communicator(None, x, ratio=SLAMB_OPTS["ratio"], value_dtype=vdt, seed=1)
+        comm = sc.Communicator(transport, x, ratio=SLAMB_OPTS["ratio"], value_dtype=vdt, seed=1)
         rule = Slamb(comm, lr=1e-3, weight_decay=0.01, beta3=SLAMB_OPTS["beta3"],
                      sync_interval=SLAMB_OPTS["sync_interval"])
         return lambda: rule.step(x, g)
@@ -132,7 +146,7 @@ def memory_of(arm, layers, width, steps, device):
     # Warm every library code path on a tiny model first: torch's first optimizer imports
     # ~50 MB of modules, a fixed cost that is not the optimizer's memory per parameter.
     tiny = build_model(1, 8, device, seed=1)
-    for a in (ARMS_GPU if device == "cuda" else ARMS_CPU):
+    for a in (ARMS_GPU if device == "cuda" else ARMS_CPU) + ([arm] if arm in ARMS_P2 else []):
         step = build_arm(a, tiny)
         step()
         step()
@@ -179,7 +193,9 @@ def main():
 
     torch.set_num_threads(1) if args.device == "cpu" else None
     if args.memory_of:
-        print(json.dumps(memory_of(args.memory_of, args.layers, args.width, args.steps, args.device)))
+        out = memory_of(args.memory_of, args.layers, args.width, args.steps, args.device)
+        if args.memory_of not in ARMS_P2 or int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == 0:
+            print(json.dumps(out))
         return
     arms = args.arms.split(",") if args.arms else (ARMS_GPU if args.device == "cuda" else ARMS_CPU)
     base_arm = "adamw-fused" if args.device == "cuda" else "adamw-foreach"
@@ -189,6 +205,8 @@ def main():
         for arm in arms:
             cmd = [sys.executable, os.path.abspath(__file__), "--_memory-of", arm, "--layers", str(args.layers),
                    "--width", str(args.width), "--steps", str(args.steps), "--device", args.device]
+            if arm in ARMS_P2:
+                cmd = ["bash", os.path.join(os.path.dirname(HERE), "scripts", "mpirun.sh"), "2", "600"] + cmd
             # A fixed mmap threshold: every block of 64 KiB or more is mapped when allocated and
             # unmapped when freed, so the peak RSS is the peak of live memory (glibc's default
             # raises the threshold as blocks are freed and then serves new ones from freed heap
@@ -203,7 +221,8 @@ def main():
                          "ratio": r["bytes_per_param"] / mem[base_arm]["bytes_per_param"] if base_arm in mem else ""})
             if "adamw" in mem:
                 rows[-1]["ratio_to_adamw_default"] = r["bytes_per_param"] / mem["adamw"]["bytes_per_param"]
-    if args.what in ("time", "both"):
+    if args.what in ("time", "both") and [a for a in arms if a not in ARMS_P2]:
+        arms = [a for a in arms if a not in ARMS_P2]  # the 2-rank arms are measured for memory only
         times = time_arms(arms, args.layers, args.width, args.reps, args.device)
         import statistics
 
