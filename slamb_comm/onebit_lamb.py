@@ -14,8 +14,9 @@ step at a time:
   sets a bounded factor ``φ``; the step is ``x -= lr κ φ u``.
 
 Costs: state m, v, f (12 bytes per fp32 parameter) plus the exchange's error buffers (4 + 4/P
-bytes per parameter) and two scratch buffers of the whole model (the exchanged momentum and the
-direction). Host reads per step: one (the per-tensor norms, read together) plus the
+bytes per parameter), one scratch buffer of the whole model (the averaged gradient, then the
+exchanged momentum) and the exchange's temporaries; the direction is computed per tensor, twice
+(for the norms, then for the update), instead of being kept for the whole model. Host reads per step: one (the per-tensor norms, read together) plus the
 exchange's one (compression) or the allreduce's (warm-up); one more at the first compression
 step (the scaling factors).
 
@@ -257,21 +258,16 @@ class OneBitLamb:
             gbar[o : o + n] = v
         comm.sync(gbar)
         c1, c2, _ = self._corrections(t)
-        eps, wd = dt(self.eps), dt(self.weight_decay)
-        U = self._buf(xp, "u")
         sums = []
         for i, (o, n) in enumerate(lay.segments()):
-            m, v, g, xi, u = self.m[o : o + n], self.v[o : o + n], gbar[o : o + n], xv[i], U[o : o + n]
+            m, v, g, xi = self.m[o : o + n], self.v[o : o + n], gbar[o : o + n], xv[i]
             m *= dt(b1)
             m += dt(1.0 - b1) * g
             v *= dt(b2)
             v += dt(1.0 - b2) * (g * g)
-            xp.sqrt(v / dt(c2) if c2 != 1.0 else v, out=u)
-            u += eps
-            xp.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
-            if self.weight_decay > 0:
-                u += wd * xi
+            u = self._direction(xp, i, c1, c2, xi)
             sums += [_sumsq(xp, xi), _sumsq(xp, u)]
+            del u
         if t == self.freeze_step:
             self.f = self.v.copy()
         vals = _read(xp, sums)
@@ -281,9 +277,23 @@ class OneBitLamb:
             if c != 1.0:
                 self.kappa[i] = self.coeff_beta * self.kappa[i] + (1.0 - self.coeff_beta) * c
             self.lamb_coeffs[i] = c
-            if n:
-                xv[i] -= dt(lr * c) * U[o : o + n]
+            if n:  # the direction again, as in the first pass (bitwise): no whole-model scratch for it
+                xv[i] -= dt(lr * c) * self._direction(xp, i, c1, c2, xv[i])
         self.t = t
+
+    def _direction(self, xp, i, c1, cv, xi):
+        """Tensor ``i``'s direction ``m / (sqrt(v / cv) + eps) + weight_decay * xi``, a new
+        array: computed in the first pass for the norms and again in the update pass with the
+        same operations, so the two agree bit for bit."""
+        o, n = self.layout.offsets[i], self.layout.sizes[i]
+        dt = self.layout.dtype.type
+        m, v = self.m[o : o + n], self.v[o : o + n]
+        u = xp.sqrt(v / dt(cv) if cv != 1.0 else v)
+        u += dt(self.eps)
+        xp.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
+        if self.weight_decay > 0:
+            u += dt(self.weight_decay) * xi
+        return u
 
     def _scaling(self, xp):
         """γ per tensor (first compression step): equal momentum RMS for every tensor."""
@@ -316,29 +326,32 @@ class OneBitLamb:
         self.gamma = gamma
         c1, cv, cf = self._corrections(t)
         eps, wd = dt(self.eps), dt(self.weight_decay)
-        U = self._buf(xp, "u")
         sums = []
         for i, (o, n) in enumerate(lay.segments()):
             if not n:
                 continue
-            mn, m, v, f, xi, u = M[o : o + n], self.m[o : o + n], self.v[o : o + n], self.f[o : o + n], xv[i], U[o : o + n]
+            mn, m, v, f, xi = M[o : o + n], self.m[o : o + n], self.v[o : o + n], self.f[o : o + n], xv[i]
             mn /= dt(gamma[i])
             ghat = mn - dt(b1) * m
             ghat /= dt(1.0 - b1)
             f *= dt(b2)
             f += dt(1.0 - b2) * (ghat * ghat)
+            del ghat
             m[...] = mn
             d = xp.sqrt(v / dt(cv) if cv != 1.0 else v)
             d += eps
-            xp.divide(m / dt(c1) if c1 != 1.0 else m, d, out=u)
+            # the direction only for its norms (with weight decay); the update pass recomputes it
+            u = xp.divide(m / dt(c1) if c1 != 1.0 else m, d) if self.weight_decay > 0 else None
             df = xp.sqrt(f / dt(cf) if cf != 1.0 else f)
             df += eps
             d /= df
             ratio = d.max()
-            if self.weight_decay > 0:
+            del d, df
+            if u is not None:
                 sums += [ratio, _sumsq(xp, u)]
                 u += wd * xi
                 sums.append(_sumsq(xp, u))
+                del u
             else:
                 sums.append(ratio)
         vals = _read(xp, sums)
@@ -359,5 +372,5 @@ class OneBitLamb:
             self.phi[i] = factor
             coeff = self.kappa[i] * factor
             self.lamb_coeffs[i] = coeff
-            xv[i] -= dt(lr * coeff) * U[o : o + n]
+            xv[i] -= dt(lr * coeff) * self._direction(xp, i, c1, cv, xv[i])
         self.t = t
