@@ -1198,6 +1198,16 @@ def _skip_synchronize(self):
         self._should_synchronize = True
 
 
+def _add_param_group_before_wrapping(self, param_group):
+    """Only during construction: the hooks and buckets of a wrapped optimizer are fixed once
+    ``_init_common`` has run (it sets ``_coll``)."""
+    if getattr(self, "_coll", None) is not None:
+        base = self.__class__.__mro__[1].__name__
+        raise NotImplementedError(f"add parameter groups to the {base} optimizer before wrapping it in "
+                                  "DistributedOptimizer")
+    super(self.__class__, self).add_param_group(param_group)
+
+
 def _set_backward_passes_per_step(self, passes):
     """Change the number of backward passes accumulated per step (as in Horovod)."""
     self.backward_passes_per_step = passes
@@ -1340,12 +1350,7 @@ class _DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             self._set_ratio(e)
 
-    def add_param_group(self, param_group):
-        """Only during construction: the hooks and buckets of a distributed SLAMB are fixed."""
-        if getattr(self, "_where", None) is not None:
-            raise NotImplementedError("add parameter groups to the SLAMB optimizer before wrapping it in "
-                                      "DistributedOptimizer")
-        super(self.__class__, self).add_param_group(param_group)
+    add_param_group = _add_param_group_before_wrapping
 
     # -------------------------------------------------------------- hooks
     set_backward_passes_per_step = _set_backward_passes_per_step
@@ -1708,12 +1713,7 @@ class _DistributedOneBit(torch.optim.Optimizer):
         self._plan = None
         _register_hooks(self)
 
-    def add_param_group(self, param_group):
-        """Only during construction: the buckets of a distributed OneBitLAMB are fixed."""
-        if getattr(self, "_coll", None) is not None:
-            raise NotImplementedError("add parameter groups to the OneBitLAMB optimizer before wrapping it in "
-                                      "DistributedOptimizer")
-        super(self.__class__, self).add_param_group(param_group)
+    add_param_group = _add_param_group_before_wrapping
 
     set_backward_passes_per_step = _set_backward_passes_per_step
     skip_synchronize = _skip_synchronize

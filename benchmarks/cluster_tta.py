@@ -14,6 +14,7 @@ benchmark's output folder (its ``runs.csv``): each method's lr with the lowest f
 loss at ``--seed`` and the batch and steps given here.
 """
 
+import contextlib
 import csv
 import os
 import shutil
@@ -71,33 +72,30 @@ def tta_main(args):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="slamb_tta_")
     rows, summary = [], []
-    net = Cluster(args.nodes, rate=args.rate, delay=args.delay, prefix=args.prefix, subnet=args.subnet) \
-        if args.rate != "local" else None
+    net = contextlib.nullcontext() if args.rate == "local" else Cluster(
+        args.nodes, rate=args.rate, delay=args.delay, prefix=args.prefix, subnet=args.subnet)
     try:
-        if net is not None:
-            net.__enter__()
-        for label in labels:
-            out_csv = os.path.join(tmp, f"{label.replace(' ', '_')}.csv")
-            cmd = [sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), *METHOD_ARGS[label],
-                   "--lr", str(lrs[label]), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                   "--seed", str(args.seed), "--batch", str(args.batch), "--no-progress", "--threads", "1",
-                   "--files", str(args.files), "--csv", out_csv]
-            rc, out, err = net.mpirun(cmd, timeout=args.timeout) if net is not None else \
-                mpirun_local(args.nodes, cmd, args.timeout)
-            if rc != 0 or not os.path.exists(out_csv):
-                raise SystemExit(f"[tta] {label} failed (rc {rc}):\n{out[-2000:]}\n{err[-3000:]}")
-            with open(out_csv) as fh:
-                run = list(csv.DictReader(fh))
-            for r in run:
-                r.update(label=label, link=args.rate, nodes=args.nodes)
-            rows += run
-            write_rows(rows, args.out)
-            print(f"[tta] {label} lr {lrs[label]}: final val loss {float(run[-1]['val_loss']):.4f}, "
-                  f"{float(run[-1]['train_seconds']):.0f} s of training", file=sys.stderr, flush=True)
-            summary.append((label, lrs[label], run))
+        with net as cluster:
+            for label in labels:
+                out_csv = os.path.join(tmp, f"{label.replace(' ', '_')}.csv")
+                cmd = [sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), *METHOD_ARGS[label],
+                       "--lr", str(lrs[label]), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+                       "--seed", str(args.seed), "--batch", str(args.batch), "--no-progress", "--threads", "1",
+                       "--files", str(args.files), "--csv", out_csv]
+                rc, out, err = cluster.mpirun(cmd, timeout=args.timeout) if cluster is not None else \
+                    mpirun_local(args.nodes, cmd, args.timeout)
+                if rc != 0 or not os.path.exists(out_csv):
+                    raise SystemExit(f"[tta] {label} failed (rc {rc}):\n{out[-2000:]}\n{err[-3000:]}")
+                with open(out_csv) as fh:
+                    run = list(csv.DictReader(fh))
+                for r in run:
+                    r.update(label=label, link=args.rate, nodes=args.nodes)
+                rows += run
+                write_rows(rows, args.out)
+                print(f"[tta] {label} lr {lrs[label]}: final val loss {float(run[-1]['val_loss']):.4f}, "
+                      f"{float(run[-1]['train_seconds']):.0f} s of training", file=sys.stderr, flush=True)
+                summary.append((label, lrs[label], run))
     finally:
-        if net is not None:
-            net.__exit__(None, None, None)
         shutil.rmtree(tmp, ignore_errors=True)
     table = tta_table(summary, args)
     md = os.path.splitext(args.out)[0] + ".md"

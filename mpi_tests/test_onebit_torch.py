@@ -365,3 +365,21 @@ def test_alone_it_is_lamb_during_the_warm_up_and_the_rule_after():
         sim.step(xr, grads)
         np.testing.assert_allclose(flat(model), np.concatenate(xr), rtol=1e-10, atol=1e-12, err_msg=f"step {t}")
     assert opt.communicators[0].size == 1 and "onebit_allreduce" not in opt.communicators[0].stats.by_kind
+
+
+@pytest.mark.parametrize("kind", ["onebit", "slamb"])
+def test_add_param_group_after_wrapping_is_refused(wrap, kind):
+    """Before wrapping a group may be added; after, the hooks and buckets are fixed: a named
+    NotImplementedError on every rank, and the optimizer keeps its groups."""
+    a, b = make_model(3, torch.float32), make_model(4, torch.float32)
+    make = (lambda ps: st.OneBitLAMB(ps, lr=0.01, freeze_step=2)) if kind == "onebit" else \
+        (lambda ps: st.SLAMB(ps, lr=0.01, ratio=0.5))
+    opt = make(list(a.parameters())[:2])
+    opt.add_param_group({"params": list(a.parameters())[2:]})  # allowed: not wrapped yet
+    opt = wrap(opt, a)
+    n = len(opt.param_groups)
+    with pytest.raises(NotImplementedError, match=f"add parameter groups to the {type(opt).__mro__[1].__name__} "
+                                                  "optimizer before wrapping"):
+        opt.add_param_group({"params": list(b.parameters())})
+    assert len(opt.param_groups) == n
+    train_step(a, opt, 1)  # and it still steps
