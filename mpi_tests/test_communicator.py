@@ -555,3 +555,107 @@ def test_global_numpy_rng_untouched(transport):
     ck.true(before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:],
             "numpy's global RNG state changed")
     ck.done()
+
+
+# --------------------------------------------------------------------------- the fused top-k exchange, bitwise
+# sparse_allgather works on the whole fused buffer (on a device it also selects every tensor's
+# top-k at once). Its results must be, bit for bit, those of the per-tensor exchange it
+# replaced, at every P, on NumPy and through the strict CuPy double's device transports.
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import strict_cupy  # noqa: E402
+from mpi_checks import device_transport  # noqa: E402
+from slamb_comm.codecs import topk_indices_reference  # noqa: E402
+
+FUSED_SHAPES = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4)] + [(9, 11)] * 40
+
+
+def per_tensor_exchange(lay, ratio, vdt, xs, es, skip=()):
+    """The exchange as it was computed tensor by tensor (tests/test_communicator_local.py has the
+    same reference, documented): per rank and tensor c = x + e, the stable top-k, values in vdt;
+    payloads added tensor by tensor, rank after rank, in promote(dtype, float32), times 1/P, cast
+    back; e = (e or zeros) + x - sent, except the tensors in ``skip``."""
+    dt, vdt = lay.dtype, np.dtype(vdt or lay.dtype)
+    acc = np.promote_types(dt, np.float32)
+    sent = []
+    for r in range(P):
+        mine = []
+        for o, n in lay.segments():
+            c = xs[r][o : o + n] if es[r] is None else xs[r][o : o + n] + es[r][o : o + n]
+            loc = topk_indices_reference(c, sc.k_elems(ratio, n))
+            mine.append((o + loc, c[loc].astype(vdt)))
+        sent.append(mine)
+    out = np.zeros(lay.total, acc)
+    for r in range(P):
+        for pos, v in sent[r]:
+            out[pos] += v.astype(acc)
+    if P > 1:
+        out *= acc.type(1.0 / P)
+    new = []
+    for r in range(P):
+        e = np.zeros(lay.total, dt) if es[r] is None else es[r].copy()
+        for i, ((o, n), (pos, v)) in enumerate(zip(lay.segments(), sent[r])):
+            if i not in skip:
+                e[o : o + n] += xs[r][o : o + n]
+                e[pos] -= v.astype(dt)
+        new.append(e)
+    return out.astype(dt), new
+
+
+def _fused_inputs(lay, step):
+    """Every rank's input at ``step``: ties (few distinct magnitudes) and signed zeros."""
+    xs = []
+    for r in range(P):
+        rng = np.random.default_rng([7000 + r, step])
+        x = rng.integers(-4, 5, lay.total) * 0.25
+        x = np.where(rng.random(lay.total) < 0.2, -0.0, x)
+        xs.append(x.astype(lay.dtype))
+    return xs
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["numpy", "mpi-staged", "nccl"])
+@pytest.mark.parametrize("dtype,vdt", [("float32", None), ("float32", "float16"), ("float16", None)])
+def test_sparse_allgather_is_bitwise_the_per_tensor_exchange(where, dtype, vdt):
+    """Five steps: commit; commit=False + commit_residual(); skip two tensors; NaN on the last
+    rank (every rank raises, nothing changes); commit. List and fused inputs alternate."""
+    ck = Checks()
+    lay = sc.Layout(FUSED_SHAPES, dtype, dense_threshold=50)
+    with strict_cupy.install() as cp:
+        strict_cupy.Device.current = 0
+        xp = np if where == "numpy" else cp
+        comm = sc.Communicator(sc.MPITransport() if where == "numpy" else device_transport(where), lay,
+                               ratio=0.1, value_dtype=vdt, seed=1)
+        es = [None] * P
+        for step, mode in enumerate(["commit", (), {1, 40}, "nan", "commit"]):
+            xs = _fused_inputs(lay, step)
+            x = xs[ME].copy()
+            if mode == "nan" and ME == BAD:
+                x[12345] = np.nan
+            arg = xp.asarray(x) if step % 2 else [xp.asarray(v.reshape(s)) for v, s in
+                                                    zip(lay.flat_views(x), lay.shapes)]
+            before = None if comm.residual is None else sc.arrays.to_host(comm.residual).copy()
+            if mode in ("commit", "nan"):
+                out, err = call(comm.sparse_allgather, arg)
+            else:
+                out, err = call(comm.sparse_allgather, arg, commit=False)
+                if err is None:
+                    comm.commit_residual(skip=mode)
+            res = sc.arrays.to_host(comm.residual)
+            if mode == "nan":
+                ck.raised(err, NonFiniteError, f"{where} step {step}: NaN on rank {BAD}", ranks=(BAD,))
+                ck.equal(res, before, f"{where} step {step}: the failed exchange changed the error buffer")
+                continue
+            ck.true(err is None, f"{where} step {step}: raised {err!r}")
+            if err is not None:
+                continue
+            want, es = per_tensor_exchange(lay, 0.1, vdt, xs, es, () if mode == "commit" else mode)
+            got = sc.arrays.to_host(out) if step % 2 else np.concatenate(
+                [np.asarray(sc.arrays.to_host(a)).reshape(-1) for a in out])
+            ck.true(got.dtype == want.dtype and got.tobytes() == want.tobytes(),
+                    f"{where} {dtype}/{vdt} step {step}: the mean is not the per-tensor exchange's, bitwise")
+            ck.true(res.tobytes() == es[ME].tobytes(),
+                    f"{where} {dtype}/{vdt} step {step}: the error buffer is not the per-tensor exchange's, bitwise")
+    ck.done()

@@ -274,6 +274,28 @@ def test_cupy_exchange_equals_numpy_path(cp, kind):
     chk.done()
 
 
+@pytest.mark.parametrize("kind", ["numpy"] + DEVICE_TRANSPORTS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_fused_and_list_inputs_give_the_same_bits(cp, kind, dtype):
+    """The caller's arrays go in with one copy or one concatenate and come back with one copy
+    per tensor (a list) or one (a fused buffer): the same bits either way, on every rank."""
+    chk = Checks()
+    xp = np if kind == "numpy" else cp
+    mk = (lambda: None) if kind == "numpy" else (lambda: device_transport(kind))
+    a, b = exchange(mk(), dtype, xp=xp), exchange(mk(), dtype, xp=xp)
+    for step in range(1, 4):
+        xa = make(ME, step, dtype, xp)
+        xb = xp.concatenate([v.reshape(-1) for v in make(ME, step, dtype, xp)])
+        a.allreduce(xa)
+        b.allreduce(xb)
+        ha, hb = flat(xa), np.asarray(sc.arrays.to_host(xb))
+        chk.true(ha.dtype == hb.dtype and ha.tobytes() == hb.tobytes(), f"{kind} step {step}: list != fused")
+        for ea, eb, what in ((a.worker_error, b.worker_error, "worker"), (a.server_error, b.server_error, "server")):
+            ea, eb = sc.arrays.to_host(ea), sc.arrays.to_host(eb)
+            chk.true(ea.tobytes() == eb.tobytes(), f"{kind} step {step}: {what} errors differ")
+    chk.done()
+
+
 # --------------------------------------------------------------------------- Horovod
 @pytest.fixture(scope="module")
 def hvd():

@@ -24,13 +24,19 @@ def rank_grads(r, t, xs, dtype):
 
 
 def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True, block=1,
-        schedule=None):
+        schedule=None, fused=False):
+    """``fused``: step on one fused buffer with the whole-buffer path (slamb_comm.fused),
+    which a device takes by default, here on NumPy."""
     comm_world = MPI.COMM_WORLD
     P, me = comm_world.size, comm_world.rank
     x = rank_params(me, dtype)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=ratio, mask="cyclic", seed=11, value_dtype=value_dtype,
                            block=block)
     opt = Slamb(comm, lr=0.02, weight_decay=wd, beta3=beta3, sync_interval=H)
+    if fused:
+        flat = np.concatenate([a.ravel() for a in x])
+        x = comm.layout.views(flat)
+        opt.fused = True
     ref = ReferenceSlamb([rank_params(r, dtype) for r in range(P)], comm.layout.offsets, lr=0.02,
                          wd=wd, beta3=beta3, H=H)
     worst = 0.0
@@ -38,7 +44,10 @@ def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=
         grads = [rank_grads(r, t, [a.astype(dtype) for a in ref.x[r]], dtype) for r in range(P)]
         if schedule and t in schedule:  # a ratio schedule: the new ratio from step t on
             opt.set_ratio(schedule[t])
-        opt.step(x, [g.copy() for g in grads[me]])
+        if fused:
+            opt.step(flat, np.concatenate([g.ravel() for g in grads[me]]))
+        else:
+            opt.step(x, [g.copy() for g in grads[me]])
         ref.step([[g.astype(np.float64) for g in gr] for gr in grads], comm.mask.select(t).index.astype(np.int64))
         for mine, want in zip(x, ref.x[me]):
             worst = max(worst, float(np.max(np.abs(mine - want)) / np.max(np.abs(want))))  # relative to the tensor's scale
@@ -150,6 +159,24 @@ def test_ratio_changed_on_one_rank_raises_on_every_rank():
     opt.set_ratio(0.2)  # then a good change, and a step, on every rank
     opt.step(x, rank_grads(me, 2, x, np.float32))
     assert opt.comm.ratio == 0.2 and opt.t == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 1.0])
+def test_fused_step_matches_reference_fp64(ratio):
+    """The whole-buffer step (a device's default) against the dense float64 reference."""
+    _, _, comm, opt, worst = run(ratio, np.float64, fused=True)
+    assert worst < 1e-9, worst
+    assert opt.t == 22 and comm.stats.by_kind["masked_allreduce"].calls == 22
+    assert opt._plans, "the fused path did not run"  # noqa: SLF001
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("value_dtype,tol", [(None, 1e-5), ("float16", 1e-3)])
+def test_fused_step_matches_reference_fp32(value_dtype, tol):
+    _, _, _, opt, worst = run(0.1, np.float32, value_dtype=value_dtype, steps=14, fused=True)
+    assert worst < tol, worst
+    assert opt._plans, "the fused path did not run"  # noqa: SLF001
 
 
 @pytest.mark.mpi

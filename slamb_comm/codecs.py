@@ -163,7 +163,8 @@ def topk_indices_reference(x, k):
     return xp.sort(order).astype(np.int64)
 
 
-#: below this many elements, :func:`topk_indices` just uses the reference sort
+#: up to this many elements, :func:`topk_indices` selects the k-th magnitude directly (one
+#: partition of the whole input) instead of estimating it from a sample
 _SMALL = 1 << 14
 
 
@@ -175,7 +176,8 @@ def topk_indices(x, k):
     estimates a threshold a little below the k-th largest magnitude; one pass keeps the
     candidates above it (about ``1.05 k`` of them); an exact selection among the
     candidates fixes the result up to exactly ``k``. If the estimate overshoots (fewer
-    than ``k`` candidates), the threshold is lowered and the pass repeated.
+    than ``k`` candidates), the threshold is lowered and the pass repeated. Up to
+    ``_SMALL`` elements, one partition of ``|x|`` gives the k-th largest magnitude directly.
 
     ``x`` must be finite: the communicator checks that before encoding (a NaN compares
     false and would never be selected).
@@ -187,10 +189,12 @@ def topk_indices(x, k):
         return xp.arange(n, dtype=np.int64)
     if k <= 0:
         return xp.zeros(0, dtype=np.int64)
-    if n <= _SMALL or xp is not np:
+    if xp is not np:
         # On a GPU: one stable sort (radix) and no host read; the candidate pass below needs
         # the candidates' count on the host, a synchronisation per tensor.
         return topk_indices_reference(x, k)
+    if n <= _SMALL:
+        return _select_small(x, k)
     # Strided sample: deterministic, and a perfect quantile sample for sorted inputs.
     sample = xp.sort(xp.abs(x[:: max(64, n // 65536)]))
     s = sample.size
@@ -223,6 +227,23 @@ def topk_indices(x, k):
         tie = xp.flatnonzero(vals == kth)[: k - n_above]
         above[tie] = True
     return cand[above].astype(np.int64, copy=False)
+
+
+def _select_small(x, k):
+    """:func:`topk_indices` of a small NumPy ``x`` (0 < k < n): the k-th largest magnitude by one
+    partition (linear time, where the reference's stable sort is n log n: 15 against 450 us at
+    6,553 elements), every magnitude above it, and of those equal to it the lowest indices."""
+    mag = np.abs(x)
+    n = mag.size
+    part = np.partition(mag, n - k)
+    if np.isnan(part[n - k :]).any():  # NaN: the partition ranks it above everything, the reference below
+        return topk_indices_reference(x, k)
+    kth = part[n - k]
+    keep = mag > kth  # fewer than k: they all lie above the k-th largest
+    short = k - int(np.count_nonzero(keep))
+    if short:
+        keep[np.flatnonzero(mag == kth)[:short]] = True
+    return np.flatnonzero(keep).astype(np.int64, copy=False)
 
 
 _CHUNK = 1 << 18
@@ -304,6 +325,12 @@ class TopKWire:
     multiple of 8, so the allgather needs no size exchange and rank r's payload at byte
     ``r * nbytes`` of the gathered buffer is aligned for its int32 and float views (a
     GPU faults on a misaligned typed read).
+
+    The whole layout is encoded and decoded at once (:meth:`select`, :meth:`decode_all`): on a
+    device a constant number of whole-buffer operations whatever the number of tensors, with
+    the per-tensor constants in one small table built once per device (:meth:`table`); on the
+    CPU, where there are no kernel launches to save, tensor by tensor (:func:`topk_indices`'
+    linear-time selection, no temporary of the whole buffer's size).
     """
 
     HEADER = 8
@@ -320,6 +347,7 @@ class TopKWire:
         self.idx_at = self.HEADER
         self.val_at = self.HEADER + ((4 * self.k_total + 7) // 8) * 8
         self.nbytes = ((self.val_at + self.value_dtype.itemsize * self.k_total + 7) // 8) * 8
+        self._tables = {}
 
     def empty(self, xp, ranks=1):
         return xp.zeros(self.nbytes * ranks, dtype=np.uint8)
@@ -330,6 +358,93 @@ class TopKWire:
         idx = buf[self.idx_at : self.idx_at + 4 * self.k_total].view(np.int32)
         val = buf[self.val_at : self.val_at + self.value_dtype.itemsize * self.k_total].view(self.value_dtype)
         return status, idx, val
+
+    def parts_all(self, recv):
+        """``(indices, values)`` of every rank's payload in a gathered buffer ``recv`` of
+        ``ranks * nbytes`` bytes (1-D, or ``(ranks, nbytes)``): ``(ranks, K)`` views, no copy
+        (the whole buffer is viewed as int32 / ``value_dtype``, then sliced; each payload
+        starts at a multiple of 8 bytes)."""
+        rows = recv.reshape(-1, self.nbytes)
+        isz = self.value_dtype.itemsize
+        idx = rows.view(np.int32)[:, self.idx_at // 4 : self.idx_at // 4 + self.k_total]
+        val = rows.view(self.value_dtype)[:, self.val_at // isz : self.val_at // isz + self.k_total]
+        return idx, val
+
+    # ------------------------------------------------------------------ per-tensor constants
+    def table(self, xp):
+        """The per-tensor constants on ``xp`` (on its current device), built once per device:
+        an int64 array of 4 rows of one entry per tensor: the end of each tensor in the fused
+        buffer (offset + size), the end of its entries in the payload (start + count), its
+        offset, and offset - start. One host-to-device copy, at the first use on a device."""
+        key = (xp.__name__, None if xp is np else xp.cuda.Device().id)
+        t = self._tables.get(key)
+        if t is None:
+            off = np.asarray(self.layout.offsets, np.int64).reshape(-1)
+            size = np.asarray(self.layout.sizes, np.int64).reshape(-1)
+            start = np.asarray(self.starts, np.int64).reshape(-1)
+            count = np.asarray(self.counts, np.int64).reshape(-1)
+            host = np.stack([off + size, start + count, off, off - start])
+            t = self._tables[key] = host if xp is np else xp.asarray(host)
+        return t
+
+    def entries(self, xp):
+        """Per payload entry (K of them), the tensor it belongs to and that tensor's offset in
+        the fused buffer (fused position = local index + offset): two int64 arrays on ``xp``
+        (on a device: three operations, no host-to-device copy after the first call)."""
+        if xp is np:
+            seg = np.repeat(np.arange(len(self.counts), dtype=np.int64), self.counts)
+            return seg, np.asarray(self.layout.offsets, np.int64).reshape(-1)[seg]
+        t = self.table(xp)
+        seg = xp.searchsorted(t[1], xp.arange(self.k_total, dtype=np.int64), side="right")
+        return seg, t[2][seg]
+
+    # ------------------------------------------------------------------ selection
+    def select(self, c, entries=None):
+        """Every tensor's top-k of the fused 1-D buffer ``c`` (finite): ``(pos, local)``, the
+        fused positions (int64, increasing) and the same as indices within their tensors (what
+        the wire carries), in payload order. Exactly :func:`topk_indices_reference` per tensor
+        (ties go to the lower index).
+
+        On the CPU, per tensor with :func:`topk_indices`. On a device, for all tensors at once:
+        one stable argsort of ``-|c|`` (decreasing magnitude, ties by position), one stable
+        argsort of the tensor each of those positions belongs to, which groups the order by
+        tensor and keeps, within a tensor, the order by magnitude; tensor i's first K_i
+        entries of that order are its top-k. A constant number of operations (two sorts of the
+        whole buffer) whatever the number of tensors, no host read. ``entries``: :meth:`entries`,
+        if the caller has them.
+        """
+        xp = _arr.namespace(c)
+        K = self.k_total
+        lay = self.layout
+        if xp is np:
+            pos = np.empty(K, np.int64)
+            local = np.empty(K, np.int64)
+            for o, n, a, k in zip(lay.offsets, lay.sizes, self.starts, self.counts):
+                if k:
+                    loc = topk_indices(c[o : o + n], k)
+                    local[a : a + k] = loc
+                    np.add(loc, o, out=pos[a : a + k])
+            return pos, local
+        if K == 0:
+            return xp.zeros(0, np.int64), xp.zeros(0, np.int64)
+        t = self.table(xp)
+        seg, offset = self.entries(xp) if entries is None else entries
+        if K == c.size:  # every element of every tensor is sent
+            pos = xp.arange(K, dtype=np.int64)
+        else:
+            key = xp.abs(c)
+            xp.negative(key, out=key)
+            by_mag = xp.argsort(key, kind="stable")  # decreasing |c|, ties: the lower position first
+            del key
+            tensor = xp.searchsorted(t[0], by_mag, side="right").astype(np.int32)  # the tensor of each
+            grouped = xp.argsort(tensor, kind="stable")  # by tensor; within one, still by magnitude
+            del tensor
+            # tensor i's entries of the grouped order start at its offset: its first K_i are
+            # positions offset_i .. offset_i + K_i - 1 = (entry j) + offset_i - start_i
+            pick = t[3][seg]
+            pick += xp.arange(K, dtype=np.int64)
+            pos = xp.sort(by_mag[grouped[pick]])
+        return pos, pos - offset
 
     def encode_one(self, i, x, idx, val):
         """Write tensor ``i``'s top-k of the 1-D array ``x`` into the payload's ``idx``/``val``
@@ -346,13 +461,58 @@ class TopKWire:
         layout) into the payload ``out``; return the fused positions sent (int64)."""
         _, idx, val = self.parts(out)
         xp = _arr.namespace(out)
-        pos = [self.encode_one(i, xi, idx, val) + o
-               for i, (xi, o) in enumerate(zip(per_tensor(self.layout, x), self.layout.offsets))]
-        return xp.concatenate(pos) if pos else xp.zeros(0, np.int64)
+        if isinstance(x, (list, tuple)) or not (hasattr(x, "shape") or hasattr(x, "__dlpack__")):
+            views = per_tensor(self.layout, x)
+            views = [views[i] for i in range(len(self.layout))]
+            c = xp.concatenate(views) if views else xp.zeros(0, self.layout.dtype)
+        else:
+            c = _arr.as_array(x).reshape(-1)
+        pos, local = self.select(c)
+        self.write(c, pos, local, idx, val)
+        return pos
+
+    def write(self, c, pos, local, idx, val):
+        """The payload's indices and values from :meth:`select`'s ``(pos, local)`` of ``c``."""
+        if not self.k_total:
+            return
+        idx[...] = local
+        xp = _arr.namespace(c)
+        if val.dtype == c.dtype:
+            xp.take(c, pos, out=val)
+        else:
+            val[...] = c[pos]
+
+    # ------------------------------------------------------------------ decoding
+    def decode_all(self, recv, out, offsets=None):
+        """Add every rank's payload of the gathered buffer ``recv`` into the fused buffer ``out``,
+        rank after rank, in order: bitwise :meth:`decode_add` of each rank in turn. On a device,
+        a constant number of operations per rank (one indexed add: the indices are unique within
+        a rank's payload), none per tensor; ``offsets``: :meth:`entries`' second array, if the
+        caller has it. On the CPU, tensor by tensor (no temporary of the payload's size)."""
+        if not self.k_total:
+            return out
+        xp = _arr.namespace(out)
+        if xp is np:
+            views = self.layout.flat_views(out)
+            for row in recv.reshape(-1, self.nbytes):
+                self.decode_add(row, views)
+            return out
+        idx, val = self.parts_all(recv)
+        if offsets is None:
+            offsets = self.entries(xp)[1]
+        pos = idx + offsets  # int64, fused positions, (ranks, K)
+        if val.dtype != out.dtype:
+            val = val.astype(out.dtype)
+        for r in range(pos.shape[0]):
+            out[pos[r]] += val[r]
+        return out
 
     def decode_add(self, buf, out):
         """Add one rank's payload into ``out`` (a fused buffer, or a list of per-tensor arrays);
         the indices are unique within a rank's tensor, so a plain indexed add is exact."""
+        if not isinstance(out, (list, tuple)) and hasattr(out, "shape") and _arr.namespace(buf) is not np:
+            self.decode_all(buf, _arr.as_array(out))
+            return
         _, idx, val = self.parts(buf)
         for i, seg in enumerate(per_tensor(self.layout, out)):
             a, k = self.starts[i], self.counts[i]

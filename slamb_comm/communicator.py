@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
-from .masks import check_block, make_mask
+from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems, topk_indices
+from .masks import BLOCK, check_block, make_mask
 from .onebit import OneBitExchange
 from .errors import (
     ConfigError,
@@ -50,6 +50,26 @@ from .transports import LocalTransport
 __all__ = ["Communicator"]
 
 _OK, _BAD_INPUT, _NON_FINITE = 0, 1, 2
+
+
+def _take(xp, sel, views, out):
+    """``sel.take(views, out=out)``; on the CPU, into a payload of another dtype (float16),
+    range by range through the arrays' own dtype and :func:`~slamb_comm.arrays.cast_into`
+    instead of NumPy's element-wise float16 cast."""
+    if xp is not np or not views or out.dtype == views[0].dtype:
+        return sel.take(views, out=out)
+    tmp = None
+    for p, v, s, c in zip(sel.picks, views, sel.starts, sel.counts):
+        if not c:
+            continue
+        v = v.reshape(-1)
+        for r in p.ranges(BLOCK):
+            a, b = p.span(r)
+            if b > a:
+                if tmp is None or tmp.size < b - a:
+                    tmp = np.empty(b - a, v.dtype)
+                _arr.cast_into(out[s + a : s + b], p.take(v, r, tmp[: b - a]))
+    return out
 
 
 class Communicator:
@@ -405,7 +425,7 @@ class Communicator:
             if views is None:
                 buf[:m] = 0
             else:
-                sel.take(views, out=buf[:m])
+                _take(xp, sel, views, buf[:m])
             t1 = time.perf_counter()
             payload = (m + 1) * self.value_dtype.itemsize
             dense = self.layout.total * self.layout.dtype.itemsize
@@ -414,13 +434,13 @@ class Communicator:
             with self.stats.failed("masked_allreduce", lambda: traffic(t1 - t0, time.perf_counter() - t1, 0.0)):
                 self.reduce_checked(buf, problem, local_nonfinite, f"masked_allreduce at step {step}",
                                     (sel.starts, sel.counts),
-                                    sent=lambda: sel.take(views, out=xp.empty(m, self.value_dtype)))
+                                    sent=lambda: _take(xp, sel, views, xp.empty(m, self.value_dtype)))
             t2 = time.perf_counter()
             # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
             wide = np.promote_types(self.value_dtype, self.layout.dtype)
             for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
                 if c:
-                    vals = buf[s : s + c].astype(wide, copy=False)
+                    vals = _arr.cast(buf[s : s + c], wide, copy=False)
                     if self.size > 1:
                         vals *= vals.dtype.type(1.0 / self.size)
                     p.put(views[i], None, vals)
@@ -433,8 +453,14 @@ class Communicator:
 
         ``c = x + e``; send each tensor's ``k_elems`` largest ``|c|``; ``e = c - sent``;
         return the mean over ranks of every rank's decoded payload, identical on every
-        rank. ``x`` itself is not modified. Scratch is one tensor at a time; on a GPU the
-        exchange reads the host once (every rank's status word).
+        rank. ``x`` itself is not modified. On a GPU every step works on the whole fused buffer
+        at once (compensation, finiteness, the selection of :meth:`TopKWire.select`, the decode
+        of every rank's payload, the error feedback): a constant number of device operations
+        whatever the number of tensors (a list ``x`` is first fused with one ``concatenate``),
+        scratch of one compensated copy of the buffer and the selection's two sorts, one host
+        read (every rank's status word) and no copy to the device. On the CPU, where there are
+        no launches to save, every step goes tensor by tensor (scratch: one tensor), with a
+        linear-time top-k (:func:`~slamb_comm.codecs.topk_indices`).
 
         ``commit=False`` leaves the error buffer as it was until :meth:`commit_residual`
         (with ``x`` unchanged until then), so that a caller exchanging several buckets can
@@ -450,30 +476,28 @@ class Communicator:
         with _arr.device_scope(views[0] if views else np.zeros(0)):
             send = w.empty(xp)
             status, idx, val = w.parts(send)
-            bad = False
+            ok = True
+            c = pos = entries = None
+            flat = self._fused_input(x, views)
             if views is not None:
                 res = self._residual(xp)  # None until the first exchange that succeeds: zeros
-                e_views = lay.flat_views(res) if res is not None else [None] * len(lay)
-                for i, e in enumerate(e_views):
-                    if not w.counts[i]:
-                        continue
-                    v = views[i]
-                    c = v if e is None else v + e
-                    if xp is np:
-                        if not np.isfinite(c).all():  # the fast top-k needs finite input
-                            bad = True
-                            continue
-                    else:
-                        bad = bad | ~xp.isfinite(c).all()
-                    w.encode_one(i, c, idx, val)
-                # e.g. beyond +-65504 in a float16 payload
-                bad = (bad or not bool(np.isfinite(val).all())) if xp is np else (bad | ~xp.isfinite(val).all())
+                if xp is np:  # tensor by tensor, in cache-sized temporaries
+                    ok = self._encode_host(views, res, idx, val)
+                else:  # whole-buffer operations
+                    c = self._compensated(xp, flat, views, res)
+                    ok = xp.isfinite(c).all()
+                    if w.k_total:
+                        entries = w.entries(xp)
+                        pos, local = w.select(c, entries)
+                        w.write(c, pos, local, idx, val)
+                if w.k_total and val.dtype.itemsize < lay.dtype.itemsize:  # e.g. beyond +-65504 in float16
+                    ok = (ok and bool(np.isfinite(val).all())) if xp is np else (ok & xp.isfinite(val).all())
             if problem is not None:
                 status[...] = _BAD_INPUT
             elif xp is np:
-                status[...] = _NON_FINITE if bad else _OK
+                status[...] = _OK if ok else _NON_FINITE
             else:
-                status[...] = xp.where(bad, _NON_FINITE, _OK).astype(np.int32)
+                status[...] = xp.where(ok, _OK, _NON_FINITE)
             t1 = time.perf_counter()
             recv = w.empty(xp, self.size)
             self.transport.allgather(send, recv)
@@ -490,16 +514,14 @@ class Communicator:
             # Sum float16 payloads in float32: the sum over ranks may exceed 65504, the mean does not.
             acc = np.promote_types(lay.dtype, np.float32)
             out = xp.zeros(lay.total, dtype=acc)
-            out_views = lay.flat_views(out)
-            for r in range(self.size):
-                w.decode_add(recv[r], out_views)
+            w.decode_all(recv, out, None if entries is None else entries[1])
             if self.size > 1:
                 out *= out.dtype.type(1.0 / self.size)
             if acc != lay.dtype:
                 out = out.astype(lay.dtype)
-            self._uncommitted = (xp, views, send)
+            self._uncommitted = (xp, flat, views, send, pos)
             if commit:
-                self.commit_residual()
+                self._commit(c)
         t3 = time.perf_counter()
         self.stats.record("sparse_allgather", traffic(t1 - t0, t2 - t1, t3 - t2))
         if isinstance(x, (list, tuple)):
@@ -512,20 +534,54 @@ class Communicator:
         buffer as it was (a tensor that had no gradient on any rank)."""
         if self._uncommitted is None:
             raise RuntimeError("no sparse_allgather to commit")
-        xp, views, send = self._uncommitted
+        self._commit(None, skip)
+
+    def _commit(self, c, skip=()):
+        """The error feedback of the pending exchange, ``e = x + e - sent``, in place.
+
+        On a device, on the whole fused error buffer: ``e = c`` (the compensated buffer the
+        exchange sent from: the same bits as ``e + x``) or ``e += x`` (recomputed, for
+        :meth:`commit_residual`), then ``e[sent positions] -= sent values`` (one indexed
+        subtraction: the positions are unique); the error buffers of the tensors in ``skip`` are
+        copied before and put back after (two operations per skipped tensor). On the CPU, tensor
+        by tensor (no temporary of the buffer's size)."""
+        xp, flat, views, send, pos = self._uncommitted
         self._uncommitted = None
         lay, w = self.layout, self.wire
         _, idx, val = w.parts(send)
-        if self.residual is None:
-            with _arr.device_scope(views[0] if len(lay) else np.zeros(0)):
-                self.residual = xp.zeros(lay.total, lay.dtype)
-        for i, e in enumerate(lay.flat_views(self.residual)):
-            if i in skip:
-                continue
-            a, k = w.starts[i], w.counts[i]
-            e += views[i]
-            if k:
-                e[idx[a : a + k]] -= val[a : a + k].astype(e.dtype, copy=False)  # what was not sent stays
+        if xp is np:
+            if self.residual is None:
+                self.residual = np.zeros(lay.total, lay.dtype)
+            for i, e in enumerate(lay.flat_views(self.residual)):
+                if i in skip:
+                    continue
+                a, k = w.starts[i], w.counts[i]
+                e += views[i]
+                if k:
+                    e[idx[a : a + k]] -= val[a : a + k].astype(e.dtype, copy=False)  # what was not sent stays
+            return
+        skipped = [i for i in range(len(lay)) if lay.sizes[i] and i in skip]
+        with _arr.device_scope(send):
+            if c is not None:  # right after the exchange, which passes no skip
+                if self.residual is None:
+                    self.residual = c + c.dtype.type(0)  # 0 + x, as the first e is zeros: -0.0 becomes 0.0
+                else:
+                    self.residual[...] = c
+                e = self.residual
+                kept = ()
+            else:
+                if self.residual is None:
+                    self.residual = xp.zeros(lay.total, lay.dtype)
+                e = self.residual
+                kept = [(o, n, e[o : o + n].copy()) for o, n in (lay.segments()[i] for i in skipped)]
+                if flat is not None:
+                    e += flat
+                elif len(lay):
+                    e += xp.concatenate([views[i] for i in range(len(lay))])
+            if w.k_total:
+                e[pos] -= val.astype(e.dtype, copy=False)  # what was not sent stays
+            for o, n, saved in kept:
+                e[o : o + n] = saved
 
     def _residual(self, xp):
         """The error buffer on ``xp`` (moved there after a load), or None before the first exchange."""
@@ -533,6 +589,43 @@ class Communicator:
             self.residual = self.residual if xp is np else xp.asarray(self.residual)
         self._residual_on_host = False
         return self.residual
+
+    @staticmethod
+    def _fused_input(x, views):
+        """``x`` as one fused 1-D array where it is one (validated: ``views`` are its tensors), else None."""
+        if views is None or isinstance(x, (list, tuple)) or isinstance(views, LazyTensors):
+            return None
+        return _arr.as_array(x)
+
+    def _compensated(self, xp, flat, views, e):
+        """On a device, ``c = x + e`` as one fused buffer (``x`` itself for a fused ``x`` and no
+        ``e`` yet): one addition, after one ``concatenate`` for a list."""
+        if flat is not None:
+            return flat if e is None else flat + e
+        lay = self.layout
+        arrs = [views[i] for i in range(len(lay))]
+        c = xp.concatenate(arrs) if arrs else xp.zeros(0, lay.dtype)
+        if e is not None:
+            c += e
+        return c
+
+    def _encode_host(self, views, e, idx, val):
+        """On the CPU, per tensor: ``c = x + e`` (a tensor-sized temporary), its finiteness, its
+        top-k (:func:`~slamb_comm.codecs.topk_indices`, linear time) into the payload. Returns
+        whether every tensor was finite; stops at the first that is not (the exchange then
+        fails on every rank and its payload is not read)."""
+        lay, w = self.layout, self.wire
+        for i, (o, n, a, k) in enumerate(zip(lay.offsets, lay.sizes, w.starts, w.counts)):
+            if not k:
+                continue
+            v = views[i]
+            c = v if e is None else v + e[o : o + n]
+            if not np.isfinite(c).all():  # the fast top-k needs finite input
+                return False
+            loc = topk_indices(c, k)
+            idx[a : a + k] = loc
+            val[a : a + k] = c[loc]
+        return True
 
     def sync(self, x, written=None, finite=None):
         """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
@@ -569,6 +662,10 @@ class Communicator:
             scale = dt.type(1.0 / P)
             pieces, used, first = [], 0, True
             fix = None  # P / (ranks that took part), where that is not P
+            # a fused x goes through in whole buckets (a constant number of copies whatever the
+            # number of tensors); a list of arrays tensor by tensor
+            flat = None if views is None else self._fused_input(x, views)
+            done = [0]  # with a fused x: the tensors reported written so far
 
             def flush(pieces, used, first):
                 nonlocal comm_s, fix
@@ -594,18 +691,23 @@ class Communicator:
                 if fix is not None:
                     b *= fix
                 for i, lo, hi, at in pieces:
-                    views[i][lo:hi] = buf[at : at + hi - lo]
-                    if written is not None and hi == lay.sizes[i]:
+                    (views[i] if flat is None else flat)[lo:hi] = buf[at : at + hi - lo]
+                    if written is not None and flat is None and hi == lay.sizes[i]:
                         written(i)
+                    elif written is not None and flat is not None:
+                        while done[0] < len(lay) and lay.offsets[done[0]] + lay.sizes[done[0]] <= hi:
+                            written(done[0])
+                            done[0] += 1
 
             if views is None:  # bad input: the first bucket, zeros and the flag; then everyone raises
                 buf[:cap] = 0
                 flush([], cap, True)
-            for i in range(len(lay)):
-                size, lo = lay.sizes[i], 0
+            for i in range(0 if views is None else 1 if flat is not None else len(lay)):
+                src = flat if flat is not None else views[i]  # a lazy sequence converts it only now
+                size, lo = src.size, 0
                 while lo < size:
                     take = min(size - lo, cap - used)
-                    buf[used : used + take] = views[i][lo : lo + take]
+                    buf[used : used + take] = src[lo : lo + take]
                     pieces.append((i, lo, lo + take, used))
                     used += take
                     lo += take

@@ -572,10 +572,24 @@ class CyclicMask(_Mask):
         return geo.body_rotations(xp)
 
     def count(self, t, i):
+        return self.count_of_chunk(self.chunk(t), i)
+
+    def count_of_chunk(self, j, i):
+        """The elements of tensor ``i`` in chunk ``j`` (every element of a dense tensor)."""
         geo = self._geo.get(i)
         if geo is None or self.num_chunks == 1:
             return self.layout.sizes[i]
-        return geo.count(self.chunk(t))
+        return geo.count(j)
+
+    def element_chunks(self, i):
+        """The chunk of every element of compressible tensor ``i`` (a host int64 array; O(size):
+        built once by the fused step's plan)."""
+        return self._geo[i].chunks(0, self.layout.sizes[i], np)
+
+    def group_rotations(self, groups, xp=np):
+        """h(g) of the groups ``0 <= g < groups`` of the whole buffer's units (what each tensor's
+        geometry gives for its own groups), in the smallest unsigned dtype that holds C values."""
+        return _Geometry(0, 0, self.block, self.num_chunks, 0, self._key).rotations(0, groups, xp)
 
     def staleness(self, t):
         """Per chunk c, the steps since its elements were last synchronised, at step t (after

@@ -21,7 +21,10 @@ line, and shares its error buffers with :class:`~slamb_comm.onebit_lamb.OneBitLa
 
 Costs: 1/32 of a dense fp32 allreduce's bytes on the links (plus 16 bytes of header per block);
 the worker error (N' elements) and the server error (N'/P) in ``promote(dtype, float32)``;
-scratch of one compensated copy of the buffer per call; one host read per call on a GPU.
+scratch of one compensated copy of the buffer per call; one host read per call on a GPU, and a
+constant number of device operations (whole-buffer operations, a few per rank) plus, where ``x``
+is a list of arrays rather than one fused buffer, one copy per tensor back into the caller's arrays
+(the copy in is one ``concatenate``).
 
 Failure behaviour, as for the communicator's other exchanges: every block carries a status
 word, and a rank with bad input or a non-finite compensated buffer or scale makes every rank
@@ -246,10 +249,9 @@ class OneBitExchange:
             # ---- worker: compensate, scale, signs
             c = xp.zeros(Np, acc)
             ew, es = self._errors(xp) if views is not None else (None, None)
+            flat = None if views is None else comm._fused_input(x, views)
             if views is not None:
-                for v, o, n in zip(views, lay.offsets, lay.sizes):
-                    if n:
-                        c[o : o + n] = v
+                self._gather(xp, flat, views, c[: lay.total])
                 if ew is not None:
                     c += ew
             s, ok = self._scale(xp, c, Np)
@@ -311,9 +313,12 @@ class OneBitExchange:
             y -= 1
             y *= sig
             y = y.reshape(-1)
-            for v, o, n in zip(views, lay.offsets, lay.sizes):
-                if n:
-                    v[...] = y[o : o + n]
+            if flat is not None:
+                flat[...] = y[: lay.total]  # one copy
+            else:  # one copy per tensor: the arrays are the caller's
+                for v, o, n in zip(views, lay.offsets, lay.sizes):
+                    if n:
+                        v[...] = y[o : o + n]
             s_acc = s.astype(acc)
             c -= xp.where(bits, s_acc, -s_acc)
             sigma_acc = sigma.astype(acc)
@@ -322,6 +327,22 @@ class OneBitExchange:
         t5 = time.perf_counter()
         comm.stats.record(self.KIND, self._traffic((t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4))
         return x
+
+    def _gather(self, xp, flat, views, out):
+        """``out[...] = x`` (the caller's arrays, fused): one copy for a fused ``x``; for a list of
+        arrays on a device one ``concatenate`` (into ``out`` when the dtypes agree, else a
+        concatenation and one cast), per tensor on the CPU."""
+        lay = self.layout
+        if flat is not None:
+            out[...] = flat
+        elif xp is np or not len(lay):
+            for v, o, n in zip(views, lay.offsets, lay.sizes):
+                if n:
+                    out[o : o + n] = v
+        elif lay.dtype == out.dtype:
+            xp.concatenate([views[i] for i in range(len(lay))], out=out)
+        else:
+            out[...] = xp.concatenate([views[i] for i in range(len(lay))])
 
     def _traffic(self, encode_s, comm_s, decode_s):
         """One exchange's :class:`Traffic`: the all-to-all's P blocks and the allgather's one."""

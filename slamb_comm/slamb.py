@@ -27,6 +27,10 @@ What it costs (N parameters, fp32):
   stay on the device.
 * **Time on the CPU**: cache-sized blocks; the moments, the direction and the norms in one
   pass over each tensor, the update in a second.
+* **Device operations on a GPU**: with fused buffers (one array of parameters, one of
+  gradients), :mod:`slamb_comm.fused` does the step in a constant number of whole-buffer
+  operations (about 50, 63 on a sync step, at any number of tensors); lists of arrays go
+  tensor by tensor (about 150 operations per tensor).
 
 Tuning guide (from the paper and ALGORITHM.md section 5):
 
@@ -57,17 +61,16 @@ import math
 import numpy as np
 
 from . import arrays as _arr
+from . import fused as _fused
 from .errors import ConfigError, LayoutError, NonFiniteError
-from .codecs import per_tensor
-from .masks import BLOCK
-from .stats import Traffic, allreduce_wire
+from .tensorwise import TensorwiseStep, _views  # _views: the one check of a step's inputs, shared
 
 __all__ = ["Slamb"]
 
 log = logging.getLogger("slamb_comm")
 
 
-class Slamb:
+class Slamb(TensorwiseStep):
     """SLAMB's optimizer state and update for the fused buffer described by ``comm.layout``.
 
     Args:
@@ -151,6 +154,10 @@ class Slamb:
         self._fx = {}
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
+        #: whether :meth:`step` takes the fused whole-buffer path (:mod:`slamb_comm.fused`) where it
+        #: applies: None (default) on a device only, True also on NumPy (tests), False never
+        self.fused = None
+        self._plans = {}
 
     def agree_options(self, lr=None, weight_decay=None):
         """Collective: every rank must have the same options (else ConfigError everywhere).
@@ -211,6 +218,15 @@ class Slamb:
         and on the device of the array ``like``, instead of at the first step."""
         like = _arr.as_array(like)
         self._ensure_state(_arr.namespace(like), like)
+
+    def _plan(self, xp):
+        """The fused step's constants for this layout, mask and device (built at first use, and
+        again when the mask changes: a ratio schedule, a load)."""
+        key = (xp.__name__, None if xp is np else xp.cuda.Device().id)
+        plan = self._plans.get(key)
+        if plan is None or plan.mask is not self.comm.mask:
+            plan = self._plans[key] = _fused.Plan(self, xp)
+        return plan
 
     def _buf(self, xp, name, n, dtype):
         """A reusable scratch array of at least ``n`` elements (first ``n`` returned)."""
@@ -317,412 +333,22 @@ class Slamb:
             self._host["fx"] = {int(i): np.array(f[lay.offsets[i] : lay.offsets[i] + lay.sizes[i]], dtype=dt)
                                 for i in state["skipped"]}
 
-    # ------------------------------------------------------------------ pieces
-    def begin_step(self):
-        """Open step ``t + 1`` and return it."""
-        if self._t_open is not None:
-            raise RuntimeError(f"step {self._t_open} is still open: call apply() (or abort_step()) first")
-        t = self._t_open = self.t + 1
-        self._bad_tensors = {}
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
-        kind = self.comm.mask.kind
-        if kind == "topk":
-            self._counts = None
-        else:
-            self._counts = [self.comm.mask.count(t, i) for i in range(len(self.layout))]
-            self._starts = _starts(self._counts)
-        return t
-
-    def abort_step(self):
-        """Abandon the open step: nothing it computed is kept."""
-        self._t_open = None
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
-
-    def _open(self):
-        if self._t_open is None:
-            raise RuntimeError("no step is open: call begin_step() first")
-        return self._t_open
-
-    def counts(self):
-        """Per tensor, the number of its elements in M_t of the open step (the payload layout;
-        not known before :meth:`exchange` for the topk mask)."""
-        self._open()
-        if self._counts is None:
-            raise RuntimeError("the topk mask's counts are known only after exchange()")
-        return list(self._counts)
-
-    def picks(self, i, xp=np):
-        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.masks.Picks`)."""
-        t = self._open()
-        p = self._picks.get(i)
-        if p is None:
-            mask = self.comm.mask
-            if mask.kind == "topk":
-                raise RuntimeError("the topk mask's picks are known only after exchange()")
-            if mask.kind == "cyclic":
-                # the rotations (one byte per group of C units) are hashed once per step and kept
-                # until the commit; the positions are derived from them at each use
-                if i not in self._rot:
-                    self._rot[i] = mask.rotations(i, xp)
-                return mask.picks(t, i, xp, self._rot[i])
-            p = self._picks[i] = mask.picks(t, i, xp)  # bernoulli: drawn once per step
-        return p
-
-    def _limit(self, xp):
-        return BLOCK if xp is np else None
-
-    def _check(self, xp, g):
-        """Whether the gradient (a range of it) is bad: a NaN or Inf, or a sum of squares that
-        overflows (so would v). A host bool on the CPU, a 0-d device array on a GPU."""
-        if g.size == 0:
-            return False
-        sq = xp.dot(g, g)  # one BLAS pass: NaN and Inf survive it
-        return not bool(np.isfinite(sq)) if xp is np else ~xp.isfinite(sq)
-
-    def accumulate(self, i, g_i, out=None):
-        """Take tensor ``i``'s gradient for the open step (nothing is committed yet).
-
-        Writes this rank's new momentum on M_t of tensor ``i`` (``b1 m + (1-b1) g`` at the
-        picked positions, in payload order) into ``out`` (an array of ``counts()[i]``
-        elements, any float dtype, e.g. the caller's own allreduce buffer) or into the
-        step's payload. For the topk mask it picks the tensor's top-k instead (the payload
-        follows in :meth:`exchange`). Returns whether this gradient is bad (a bool on the
-        CPU, a 0-d array on a GPU): NaN/Inf, or too large for v.
-        """
-        self._open()
-        lay = self.layout
-        g = _arr.as_array(g_i)
-        xp = _arr.namespace(g)
-        n = lay.sizes[i]
-        if g.size != n:
-            raise LayoutError(f"gradient of tensor {lay.names[i]!r} has {g.size} elements, expected {n}")
-        g = g.reshape(-1)
-        with _arr.device_scope(g):
-            self._ensure_state(xp, g)
-            o = lay.offsets[i]
-            m = self.m[o : o + n]
-            if self.comm.mask.kind == "topk":
-                bad = self._check(xp, g)
-                if i in lay.compressible:
-                    mn = self._buf(xp, "u", n, lay.dtype)
-                    self._moment1(xp, m, g, mn)
-                    self._local[i] = self.comm.mask.pick(i, mn)
-            else:
-                picks = self.picks(i, xp)
-                if out is None:
-                    if self._payload is None:
-                        self._payload = xp.empty(self._starts[-1] + 1, self.comm.value_dtype)
-                    s = self._starts[i]
-                    out = self._payload[s : s + picks.count]
-                bad = self._gather(xp, picks, m, g, out, check=True)
-        self._bad_tensors[i] = bad
-        return bad
-
-    def _moment1(self, xp, m, g, out):
-        """``out = b1 m + (1-b1) g`` (the new momentum, not committed), blocked on the CPU."""
-        b1 = self.betas[0]
-        dt = self.layout.dtype.type
-        lim = self._limit(xp) or m.size
-        for lo in range(0, m.size, lim):
-            hi = min(lo + lim, m.size)
-            o = out[lo:hi]
-            xp.multiply(m[lo:hi], dt(b1), out=o)
-            tmp = self._buf(xp, "tmp", hi - lo, self.layout.dtype)
-            xp.multiply(g[lo:hi], dt(1.0 - b1), out=tmp)
-            o += tmp
-
-    def _gather(self, xp, picks, m, g, out, check=False):
-        """``out = b1 m[M_t] + (1 - b1) g[M_t]`` for one tensor, in payload order, in the same
-        blocked pass as the gradient's check (``check``: return whether it is bad)."""
-        dt = self.layout.dtype
-        b1, c1 = dt.type(self.betas[0]), dt.type(1.0 - self.betas[0])
-        bad = False
-        for r in picks.ranges(self._limit(xp)):
-            if check:
-                gb = g[r[0] : r[1]]
-                bad = (bad or self._check(xp, gb)) if xp is np else (bad | self._check(xp, gb))
-            a, b = picks.span(r)
-            if b == a:
-                continue
-            tm = picks.take(m, r, self._buf(xp, "ta", b - a, dt))
-            tg = picks.take(g, r, self._buf(xp, "tb", b - a, dt))
-            tm *= b1
-            tg *= c1
-            tm += tg
-            out[a:b] = tm
-        return bad
-
-    def exchange(self, grads=None):
-        """The momentum exchange of the open step: one allreduce of the payload (every tensor's
-        M_t entries and a status word) and one host read. For the topk mask it first forms the
-        union of the ranks' picks (one more host read) and gathers the payload from ``grads``
-        (the same gradients as given to :meth:`accumulate`).
-
-        Raises NonFiniteError on every rank if any rank's gradients are bad; the step is then
-        aborted and no state changes.
-        """
-        t = self._open()
-        xp = self._xp or np
-        with _arr.device_scope(self.m if self.m is not None else np.zeros(0)):
-            self._exchange(t, xp, grads)
-
-    def _exchange(self, t, xp, grads):
-        lay, comm = self.layout, self.comm
-        try:
-            if comm.mask.kind == "topk":
-                sel = comm.mask.union(xp, self._local, comm.transport)
-                self._picks = dict(enumerate(sel.picks))
-                self._counts, self._starts = sel.counts, _starts(sel.counts)
-                self._payload = xp.empty(self._starts[-1] + 1, comm.value_dtype)
-                gv = _views(lay, grads)
-                for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
-                    o = lay.offsets[i]
-                    self._gather(xp, p, self.m[o : o + lay.sizes[i]], gv[i], self._payload[s : s + c])
-            elif self._payload is None:
-                self._payload = xp.zeros(self._starts[-1] + 1, comm.value_dtype)  # no tensor accumulated
-            buf = self._payload
-            bad = False  # any tensor's gradient bad (the latest accumulate of each tensor counts)
-            for b in self._bad_tensors.values():
-                bad = (bad or bool(b)) if xp is np else (bad | b)
-            comm.reduce_checked(buf, None, bad, f"SLAMB momentum exchange at step {t}",
-                                spans=(self._starts[:-1], self._counts))
-        except NonFiniteError as e:
-            names = [lay.names[i] for i, b in self._bad_tensors.items() if bool(b)]
-            self.abort_step()
-            if not names:
-                raise
-            raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
-        except Exception:
-            self.abort_step()
-            raise
-        payload = buf.size * buf.dtype.itemsize
-        dense = lay.total * lay.dtype.itemsize
-        comm.stats.record("masked_allreduce", Traffic(
-            1, payload, allreduce_wire(payload, comm.size), dense, allreduce_wire(dense, comm.size),
-            buf.size - 1, lay.total))
-
-    def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None, skip=()):
-        """Finish the open step on parameters ``x`` (in place) with the gradients ``grads``.
-
-        ``x`` and ``grads``: fused buffers, lists of arrays shaped like the layout, or lazily
-        read sequences (see :meth:`slamb_comm.Communicator._take`). ``means``: per tensor, the
-        averaged payload of :meth:`accumulate` (when the caller did its own averaging), or
-        ``None`` after :meth:`exchange`. Commits the moments, then per tensor the direction,
-        the trust ratios and the update; then the periodic sync after steps with
-        ``(t - 1) % H == 0``. ``written(i)`` is called once tensor i of ``x`` is final.
-
-        ``skip``: tensors that had no gradient on any rank at this step (the caller's agreement).
-        They are left exactly as they are (ALGORITHM.md section 1, "Parameters without a
-        gradient"): no moment decay, no update, freshness unchanged. With the cyclic mask such
-        a tensor's freshness is stored from then on (4 bytes per element of that tensor), since
-        it no longer follows the schedule.
-        """
-        t = self._open()
-        lay, comm = self.layout, self.comm
-        lr = self.lr if lr is None else self._per_tensor(lr, "lr")
-        wd = self.weight_decay if weight_decay is None else self._per_tensor(weight_decay, "weight_decay")
-        xv, gv = _views(lay, x), _views(lay, grads)
-        if means is None:
-            if self._payload is None:
-                raise RuntimeError("no exchanged values: call exchange() or pass means=")
-            buf = self._payload
-            means = [buf[s : s + c] for s, c in zip(self._starts, self._counts)]
-            scale = 1.0 / comm.size
-        else:
-            if len(means) != len(lay):
-                raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
-            means = [_arr.as_array(a).reshape(-1) for a in means]
-            scale = 1.0
-        P = comm.size
-        b1, b2 = self.betas
-        F = None
-        if self.derived:
-            F = [self.beta3 ** s for s in comm.mask.staleness(t)]
-        xp = None
-        sync = (t - 1) % self.sync_interval == 0 and P > 1
-        finite = True  # of the updated parameters, checked in the update's own pass on sync steps
-        for i in range(len(lay)):
-            n = lay.sizes[i]
-            if n == 0:
-                if written is not None:
-                    written(i)
-                continue
-            xi, gi = xv[i], gv[i]
-            if xp is None:
-                xp = _arr.namespace(xi)
-                self._ensure_state(xp, xi)
-            if xi.dtype != lay.dtype or xi.size != n:
-                raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
-                                  f"expected {n} {lay.dtype.name}")
-            if i in skip:
-                if self.derived and i not in self._fx:  # keep f as it was after step t - 1
-                    with _arr.device_scope(xi):
-                        self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
-                if written is not None:
-                    written(i)
-                continue
-            with _arr.device_scope(xi):
-                fin = self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F, sync)
-            if sync:
-                finite = (finite and bool(fin)) if xp is np else (finite & fin)
-            if written is not None:
-                written(i)
-        # Commit the step count before the sync, which may raise (then on every rank alike).
-        self.t = t
-        self._t_open = None
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
-        if sync:
-            comm.sync(x, written=written, finite=finite)
-        return x
-
-    def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F, check=False):
-        """Commit tensor i's moments and update its parameters, in two blocked passes.
-
-        The direction is kept as ``w = m / (sqrt(v) + eps sqrt(1-b2^t)) + (wd / s) x`` with
-        ``u = s w`` and ``s = sqrt(1-b2^t) / (1-b1^t)``: the same u as the formula (exact
-        algebra, two fewer passes); s enters the trust ratios' norms and the update's
-        coefficients instead. With ``check``, returns whether the updated tensor is finite
-        (its squared norm, from the update's pass)."""
-        lay = self.layout
-        o, n = lay.offsets[i], lay.sizes[i]
-        dtype = lay.dtype
-        dt = dtype.type
-        m, v = self.m[o : o + n], self.v[o : o + n]
-        f = self._fx.get(i) if self.derived else self._f[o : o + n]
-        b1, b2 = self.betas
-        picks = self.picks(i, xp)
-        everything = picks.kind == "all"
-        ranges = picks.ranges(self._limit(xp))
-        w = self._buf(xp, "u", n, dtype)
-        block = max(r[1] - r[0] for r in ranges)
-        tmp_all = self._buf(xp, "tmp", block, dtype)
-        wide = np.promote_types(mean.dtype, dtype)
-        s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-        c_b1, c_1b1, c_b2, c_1b2 = dt(b1), dt(1.0 - b1), dt(b2), dt(1.0 - b2)
-        c_eps, c_wd = dt(self.eps * math.sqrt(1.0 - b2**t)), dt(wd / s_u)
-        c_b3 = dt(self.beta3)
-        mul, add, sqrt, divide = xp.multiply, xp.add, xp.sqrt, xp.divide
-        xx = ww = xs = ws = 0.0
-        # Pass 1: moments (in place: the exchange succeeded), M_t's means, freshness, w, norms.
-        for r in ranges:
-            lo, hi = r[0], r[1]
-            mb, vb, gb, xb, wb = m[lo:hi], v[lo:hi], g[lo:hi], x[lo:hi], w[lo:hi]
-            tmp = tmp_all[: hi - lo]
-            mul(gb, c_1b1, out=tmp)
-            mb *= c_b1
-            mb += tmp
-            mul(gb, gb, out=tmp)
-            tmp *= c_1b2
-            vb *= c_b2
-            vb += tmp
-            a, b = picks.span(r)
-            if b > a:
-                vals = mean[a:b].astype(wide, copy=True)
-                if scale != 1.0:
-                    vals *= vals.dtype.type(scale)
-                picks.put(m, r, vals)
-            if f is not None and not everything:
-                f[lo:hi] *= c_b3
-                picks.put(f, r, 1)
-            sqrt(vb, out=wb)
-            wb += c_eps
-            divide(mb, wb, out=wb)
-            if wd:
-                mul(xb, c_wd, out=tmp)
-                add(wb, tmp, out=wb)
-            xx = xx + _sumsq(xp, xb)
-            ww = ww + _sumsq(xp, wb)
-            if not everything and b > a:
-                xs = xs + _sumsq(xp, picks.take(x, r, self._buf(xp, "ta", b - a, dtype)))
-                ws = ws + _sumsq(xp, picks.take(w, r, self._buf(xp, "tb", b - a, dtype)))
-        if everything:
-            xs, ws = xx, ww
-        s2 = s_u * s_u
-        phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
-        # Pass 2: x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
-        P = self.comm.size
-        rate_s, rate_a = lr * s_u * phi_s, lr * s_u / math.sqrt(P) * phi_a
-        mask = self.comm.mask
-        moving = f is None and not everything and not mask.settled(t)  # just after a ratio change
-        if everything:
-            coef = _scalar(xp, rate_s, dtype)
-        elif moving:  # derived freshness from two masks: built per range (a few steps per change)
-            pass
-        elif f is None:  # derived freshness: a table of C coefficients, one per chunk
-            if xp is np:
-                table = np.array([rate_s * q + rate_a * (1.0 - q) for q in F], dtype)
-            else:
-                Fd = xp.asarray(np.asarray(F, np.float64))
-                table = (rate_s * Fd + rate_a * (1.0 - Fd)).astype(dtype)
-            table = xp.concatenate((table, table))
-        else:
-            cs, ca = _scalar(xp, rate_s, dtype), _scalar(xp, rate_a, dtype)
-        finite = True
-        for r in ranges:
-            lo, hi = r[0], r[1]
-            tmp = tmp_all[: hi - lo]
-            if everything:
-                mul(w[lo:hi], coef, out=tmp)
-            elif moving:
-                fr = mask.freshness(i, t, self.beta3, lo, hi, xp)
-                fr *= rate_s - rate_a
-                fr += rate_a
-                mul(fr.astype(dtype), w[lo:hi], out=tmp)
-            elif f is None:
-                picks.scale(table, r, w[lo:hi], tmp)
-            else:
-                fb = f[lo:hi]
-                tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
-                mul(fb, cs, out=tmp)
-                xp.subtract(dt(1), fb, out=tmp2)
-                tmp2 *= ca
-                tmp += tmp2
-                tmp *= w[lo:hi]
-            xb = x[lo:hi]
-            xb -= tmp
-            if check:
-                sq = _sumsq(xp, xb)
-                finite = (finite and math.isfinite(sq)) if xp is np else (finite & xp.isfinite(sq))
-        return finite
-
-    def _ratios(self, xp, sums):
-        """``(phi_S, phi_A)`` from the four squared norms: host floats on the CPU, 0-d arrays
-        on a GPU (no host read)."""
-        xx, uu, xs, us = sums
-        if xp is np:
-            xa, ua = max(xx - xs, 0.0), max(uu - us, 0.0)
-            return self._trust(math.sqrt(xs), math.sqrt(us)), self._trust(math.sqrt(xa), math.sqrt(ua))
-        xa, ua = xp.maximum(xx - xs, 0.0), xp.maximum(uu - us, 0.0)
-        return self._trust_xp(xp, xp.sqrt(xs), xp.sqrt(us)), self._trust_xp(xp, xp.sqrt(xa), xp.sqrt(ua))
-
-    def _trust(self, xn, un):
-        """``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0."""
-        if xn > 0 and un > 0:
-            return min(max(xn / un, self.c_min), self.c_max)
-        return 1.0
-
-    def _trust_xp(self, xp, xn, un):
-        ok = (xn > 0) & (un > 0)
-        ratio = xp.clip(xn / xp.where(ok, un, 1.0), self.c_min, self.c_max)
-        return xp.where(ok, ratio, 1.0)
-
     def step(self, x, g, lr=None, weight_decay=None, written=None, skip=()):
         """One whole SLAMB step: ``x`` updated in place from this rank's gradient ``g``.
 
         ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
-        read sequences, with ``written`` as in :meth:`apply`). ``skip``: tensors without a
+        read sequences, with ``written`` as in :meth:`apply`). On a device, fused buffers take the
+        whole-buffer step of :mod:`slamb_comm.fused` (a constant number of device operations
+        whatever the number of tensors; :attr:`fused` chooses), lists the tensor-by-tensor one. ``skip``: tensors without a
         gradient on every rank (the same on every rank; see :meth:`apply`); they still take
         part in the exchange with whatever ``g`` holds for them (zeros).
         """
+        xp = _arr.namespace(_arr.as_array(x)) if hasattr(x, "shape") or hasattr(x, "__dlpack__") else None
+        if xp is not None and _fused.applies(self, x, g, xp, skip):
+            try:
+                return _fused.step(self, x, g, lr=lr, weight_decay=weight_decay, written=written)
+            except NonFiniteError as e:
+                return self._skip(e, x)
         self.begin_step()
         try:
             gv = _views(self.layout, g)
@@ -734,45 +360,14 @@ class Slamb:
         try:
             self.exchange(g)
         except NonFiniteError as e:
-            if self.on_nonfinite == "raise":
-                raise
-            self.skipped_steps += 1
-            log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
-                        self.t + 1, self.skipped_steps, e)
-            return x
+            return self._skip(e, x)
         return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
 
-
-def _starts(counts):
-    s = [0]
-    for c in counts:
-        s.append(s[-1] + c)
-    return s
-
-
-def _views(layout, x):
-    """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, or a lazy sequence."""
-    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
-        flat = _arr.as_array(x)
-        if flat.shape != (layout.total,) or flat.dtype != layout.dtype:
-            raise LayoutError(f"expected a fused buffer of {layout.total} {layout.dtype.name}, "
-                              f"got {flat.shape} {flat.dtype.name}")
-    elif len(x) != len(layout):
-        raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
-    return per_tensor(layout, x)
-
-
-def _sumsq(xp, a):
-    """``sum(a * a)``: on the CPU BLAS's dot of one cache block (float32 blocks agree with a
-    float64 sum to about 1e-7) summed over blocks in float64, a host float; on a GPU in
-    float64, a 0-d array."""
-    if xp is np:
-        return float(np.dot(a, a))
-    return xp.sum(xp.square(a, dtype=np.float64))
-
-
-def _scalar(xp, value, dtype):
-    """A coefficient as a scalar of ``dtype`` (host) or a 0-d array of it (device)."""
-    if isinstance(value, float):
-        return dtype.type(value)
-    return value.astype(dtype)
+    def _skip(self, e, x):
+        """A step that failed on every rank for non-finite values: raise, or count and log it."""
+        if self.on_nonfinite == "raise":
+            raise e
+        self.skipped_steps += 1
+        log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
+                    self.t + 1, self.skipped_steps, e)
+        return x

@@ -15,7 +15,51 @@ inside) but behave like CuPy's where a mistake would hide on the CPU:
 * **Host synchronisations are counted** (:data:`syncs`, :func:`reset_syncs`): ``.get()``,
   ``asnumpy``, ``bool()``, ``float()``, ``int()``, ``.item()``, ``.tolist()``, stream and
   event ``synchronize()``, and the operations whose result size depends on the data
-  (``flatnonzero``, ``nonzero``, ``unique``, boolean-mask indexing).
+  (``flatnonzero``, ``nonzero``, ``unique``, ``where`` with one argument, boolean-mask indexing).
+* **Device operations are counted** (:data:`launches`, by operation name;
+  :func:`reset_launches`, :func:`total_launches`): one per call of anything that on a GPU
+  is a kernel launch (or a device memset/memcpy), whatever the sizes, 0-d arrays included
+  (and empty ones, for which CuPy launches nothing: the count is per call). Counted: every operator (``a + b``, ``2 * a``, ``a += 1``, ``-a``, ``a < b``:
+  named after the operator, ``add``/``radd``/``iadd``, ...); every module function that
+  computes (ufuncs such as ``sqrt``/``multiply(..., out=)``, ``where``, ``clip``,
+  reductions ``sum``/``max``/``dot``/``all``/``any``/``count_nonzero``, scans ``cumsum``,
+  ``sort``/``argsort``/``partition``, ``searchsorted``, ``bincount``, ``concatenate``/``stack``,
+  ``take``/``put``/``repeat``, ``flatnonzero``/``nonzero``/``unique`` (also a sync),
+  ``zeros_like``/``ones_like``/``full_like``); the methods ``copy``, ``fill``, ``take``, the
+  reductions, ``astype`` unless it returns the array itself (``copy=False``, same dtype);
+  ``zeros``, ``ones``, ``full`` and ``arange`` (they write memory); ``ascontiguousarray``,
+  ``reshape`` and ``ravel`` when they copy (a non-contiguous input); indexing with an array
+  or a list (``a[idx]``: ``getitem(gather)``; a boolean mask is also a sync); every
+  assignment into a device array (``a[idx] = v``: ``setitem(scatter)``; ``a[2:5] = b``:
+  ``setitem(copy)``; ``a[2:5] = 0``: ``setitem(fill)``); each collective of the fake NCCL.
+  Not counted (no launch on a GPU): ``empty``/``empty_like``, views (basic indexing with
+  ints, slices, ``...``, ``None``: ``a[2:5]``, ``a[3]`` (a 0-d view, as in CuPy),
+  ``.view(dtype)``, ``.T``, a contiguous ``reshape``/``ravel``, ``broadcast_to``,
+  ``as_strided``, ``from_dlpack``), attribute reads, stream and event calls, and the
+  host-to-device copies below. A ``cupy.fuse``d function (:func:`fuse` here runs it eagerly)
+  counts one launch per call, ``fuse(name)``, as CuPy compiles it into one kernel; a host read
+  or a host-to-device copy inside it raises (CuPy's fusion cannot do either). What the double
+  does not check is whether CuPy can fuse the function at all (only elementwise ufuncs,
+  ``where`` and scalars): that needs the real GPU run. An ``ElementwiseKernel``/``RawKernel``
+  (which the double does not provide) is one launch on a GPU. It also does not see the several kernels that one CuPy
+  call may launch (CUB's multi-pass sort, scan and reductions, ``unique``'s sort + scan +
+  scatter, a ``where`` on arrays of different dtypes casting first): each call is one. The
+  double has no ``packbits``/``unpackbits``, so code that uses CuPy's where it exists takes
+  its fallback here and counts that fallback's operations.
+* **Host-to-device copies are counted** (:data:`h2d`, by kind; :func:`reset_h2d`,
+  :func:`total_h2d`): one per creation of a device array from host data, whatever its size
+  (a scalar included): ``asarray``/``array`` of a NumPy array, a list or tuple, or a Python
+  or NumPy scalar (``asarray``, ``array``); ``ndarray.set`` (``set``); a list or tuple
+  assigned into a device array (``setitem``; this also counts a launch) or used as an index
+  (``index``; CuPy copies it to the device first). ``asarray`` of a device array is no copy
+  (and, with another dtype, an ``astype`` launch). Python and NumPy scalars given as operands
+  or assigned (``a * 0.5``, ``a[:3] = np.float32(1)``) are kernel arguments, not copies. A
+  NumPy array anywhere else raises (see above), so the double has no other way in from the
+  host. Device-to-host copies are the ``get``/``asnumpy`` syncs.
+  :func:`reset_counts` resets all three counters; :func:`counts` returns their totals, and
+  :class:`counting` (a context manager) measures a block: ``with counting() as c: ...``,
+  then ``c.launches``, ``c.h2d``, ``c.syncs`` (totals) and ``c.by_op``, ``c.by_h2d``,
+  ``c.by_sync`` (Counters by name).
 * Reductions return 0-d arrays (as CuPy's do), so ``float(a.sum())`` is a counted read.
 * ``bincount`` raises ``ValueError`` on an empty input (CuPy takes a maximum).
 * ``cupy.cuda.nccl`` is a fake NCCL whose collectives run over ``MPI.COMM_WORLD`` on the
@@ -43,9 +87,13 @@ from collections import Counter
 
 import numpy as np
 
-__all__ = ["install", "ndarray", "syncs", "reset_syncs", "MisalignedAddressError"]
+__all__ = ["install", "ndarray", "syncs", "reset_syncs", "total_syncs", "launches", "reset_launches",
+           "total_launches", "h2d", "reset_h2d", "total_h2d", "reset_counts", "counts", "counting",
+           "MisalignedAddressError"]
 
 syncs = Counter()  # kind -> count of host synchronisations
+launches = Counter()  # operation name -> count of device operations (would-be kernel launches)
+h2d = Counter()  # kind -> count of host-to-device copies
 cuda_log = []  # (operation, stream ptr / event id, ...) in program order
 
 
@@ -57,12 +105,80 @@ def total_syncs():
     return builtins.sum(syncs.values())
 
 
+def reset_launches():
+    launches.clear()
+
+
+def total_launches():
+    return builtins.sum(launches.values())
+
+
+def reset_h2d():
+    h2d.clear()
+
+
+def total_h2d():
+    return builtins.sum(h2d.values())
+
+
+def reset_counts():
+    """Reset the three counters: host synchronisations, device operations, host-to-device copies."""
+    reset_syncs()
+    reset_launches()
+    reset_h2d()
+
+
+def counts():
+    """The three totals now: ``{"launches": ..., "h2d": ..., "syncs": ...}``."""
+    return {"launches": total_launches(), "h2d": total_h2d(), "syncs": total_syncs()}
+
+
+class counting:
+    """``with counting() as c:`` resets the counters, and on leaving keeps what the block did:
+    ``c.launches``, ``c.h2d``, ``c.syncs`` (totals) and ``c.by_op``, ``c.by_h2d``,
+    ``c.by_sync`` (Counters by name). The module's counters keep counting afterwards."""
+
+    def __enter__(self):
+        reset_counts()
+        return self
+
+    def __exit__(self, *exc):
+        self.by_op, self.by_h2d, self.by_sync = Counter(launches), Counter(h2d), Counter(syncs)
+        self.launches = builtins.sum(self.by_op.values())
+        self.h2d = builtins.sum(self.by_h2d.values())
+        self.syncs = builtins.sum(self.by_sync.values())
+
+    def __repr__(self):
+        return f"counting(launches={self.launches}, h2d={self.h2d}, syncs={self.syncs})"
+
+
 class MisalignedAddressError(RuntimeError):
     """What a GPU's typed read at a misaligned address would raise (cudaErrorMisalignedAddress)."""
 
 
+_fusing = [0]  # depth of fused calls under way: their operations are one launch, counted at the end
+
+
 def _sync(kind):
+    if _fusing[0]:
+        raise RuntimeError(f"host read ({kind}) inside a cupy.fuse'd function: CuPy cannot fuse it")
     syncs[kind] += 1
+
+
+def _launch(name):
+    if not _fusing[0]:
+        launches[name] += 1
+
+
+def _copy_in(kind):
+    if _fusing[0]:
+        raise RuntimeError(f"host-to-device copy ({kind}) inside a cupy.fuse'd function: CuPy cannot fuse it")
+    h2d[kind] += 1
+
+
+def _is_view(r, a):
+    """Whether ``r`` (a result computed from ``a``) is a view of ``a``'s memory (no copy made)."""
+    return isinstance(r, np.ndarray) and (r.size == 0 or np.may_share_memory(r, a))
 
 
 def _unwrap(x, where="argument"):
@@ -193,6 +309,7 @@ class ndarray:
         if not isinstance(arr, np.ndarray):
             raise TypeError("set() takes a numpy array")
         self._a[...] = arr.reshape(self._a.shape)
+        _copy_in("set")
 
     def __len__(self):
         return len(self._a)
@@ -209,107 +326,139 @@ class ndarray:
         return self._same(self._a.view(dt))
 
     def reshape(self, *shape, **kw):
-        return self._same(self._a.reshape(*shape, **kw))
+        r = self._a.reshape(*shape, **kw)
+        if not _is_view(r, self._a):  # a non-contiguous input: CuPy copies
+            self._on_current_device()
+            _launch("reshape(copy)")
+        return self._same(r)
 
     def ravel(self):
         self._on_current_device()
-        return self._same(self._a.ravel())
+        r = self._a.ravel()
+        if not _is_view(r, self._a):
+            _launch("ravel(copy)")
+        return self._same(r)
 
     def copy(self, order="C"):
         self._on_current_device()
+        _launch("copy")
         return self._same(self._a.copy(order))
 
     def astype(self, dtype, copy=True, **kw):
         if not copy and np.dtype(dtype) == self._a.dtype:
             return self
         self._on_current_device()
+        _launch("astype")
         return self._same(self._a.astype(dtype))
 
     def fill(self, v):
         self._on_current_device()
+        _launch("fill")
         self._a.fill(v)
 
     def take(self, indices, axis=None, out=None):
+        _launch("take")
         return _call(np.take, self, indices, axis=axis, out=out)
 
     def __getitem__(self, key):
-        key = _key(key)
-        r = self._a[key]
-        if isinstance(r, np.ndarray) and np.shares_memory(r, self._a):
-            return self._same(r)  # a view: no kernel
+        key, advanced = _key(key)
+        if not advanced:  # ints, slices, ..., None: a view, no kernel
+            r = self._a[key]
+            if not isinstance(r, np.ndarray):  # one element: CuPy gives a 0-d view
+                r = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+            return self._same(r)
         self._on_current_device()
-        return _wrap(r)
+        _launch("getitem(gather)")
+        return _wrap(self._a[key])
 
     def __setitem__(self, key, value):
-        key = _key(key)
+        key, advanced = _key(key)
         self._on_current_device()
+        host_seq = _host_sequence(value)
+        if host_seq:
+            _copy_in("setitem")  # CuPy copies the list to the device, then assigns it
+        kind = "scatter" if advanced else "copy" if host_seq or isinstance(value, ndarray) else "fill"
+        _launch(f"setitem({kind})")
         self._a[key] = _unwrap(value, "value")
 
     # ---------------------------------------------------------------- reductions (0-d results)
     def sum(self, axis=None, dtype=None, out=None):
+        _launch("sum")
         return _call(np.sum, self, axis=axis, dtype=dtype, out=out)
 
     def max(self, axis=None, out=None):
+        _launch("max")
         return _call(np.max, self, axis=axis, out=out)
 
     def min(self, axis=None, out=None):
+        _launch("min")
         return _call(np.min, self, axis=axis, out=out)
 
     def all(self, axis=None):
+        _launch("all")
         return _call(np.all, self, axis=axis)
 
     def any(self, axis=None):
+        _launch("any")
         return _call(np.any, self, axis=axis)
 
-    # ---------------------------------------------------------------- operators
-    def _bin(op):
+    # ---------------------------------------------------------------- operators (one launch each)
+    def _bin(op, name):
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            _launch(name)
             return _wrap(op(_unwrap(self), _unwrap(other)))
         return f
 
-    def _rbin(op):
+    def _rbin(op, name):
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            _launch(name)
             return _wrap(op(_unwrap(other), _unwrap(self)))
         return f
 
-    def _ibin(op):
+    def _ibin(op, name):
         def f(self, other):
             if isinstance(other, np.ndarray):
                 raise TypeError(f"Unsupported type {type(other)}: mixing device and host arrays")
+            _launch(name)
             op(_unwrap(self), _unwrap(other), out=self._a, casting="same_kind")
             return self
         return f
 
     import operator as _op
 
-    __add__, __radd__, __iadd__ = _bin(_op.add), _rbin(_op.add), _ibin(np.add)
-    __sub__, __rsub__, __isub__ = _bin(_op.sub), _rbin(_op.sub), _ibin(np.subtract)
-    __mul__, __rmul__, __imul__ = _bin(_op.mul), _rbin(_op.mul), _ibin(np.multiply)
-    __truediv__, __rtruediv__, __itruediv__ = _bin(_op.truediv), _rbin(_op.truediv), _ibin(np.true_divide)
-    __floordiv__, __rfloordiv__, __ifloordiv__ = _bin(_op.floordiv), _rbin(_op.floordiv), _ibin(np.floor_divide)
-    __mod__, __rmod__, __imod__ = _bin(_op.mod), _rbin(_op.mod), _ibin(np.remainder)
-    __pow__, __rpow__ = _bin(_op.pow), _rbin(_op.pow)
-    __and__, __rand__, __iand__ = _bin(_op.and_), _rbin(_op.and_), _ibin(np.bitwise_and)
-    __or__, __ror__, __ior__ = _bin(_op.or_), _rbin(_op.or_), _ibin(np.bitwise_or)
-    __xor__, __rxor__, __ixor__ = _bin(_op.xor), _rbin(_op.xor), _ibin(np.bitwise_xor)
-    __rshift__, __irshift__ = _bin(_op.rshift), _ibin(np.right_shift)
-    __lshift__, __ilshift__ = _bin(_op.lshift), _ibin(np.left_shift)
-    __lt__, __le__, __gt__, __ge__ = _bin(_op.lt), _bin(_op.le), _bin(_op.gt), _bin(_op.ge)
-    __eq__, __ne__ = _bin(_op.eq), _bin(_op.ne)
+    __add__, __radd__, __iadd__ = _bin(_op.add, "add"), _rbin(_op.add, "radd"), _ibin(np.add, "iadd")
+    __sub__, __rsub__, __isub__ = _bin(_op.sub, "sub"), _rbin(_op.sub, "rsub"), _ibin(np.subtract, "isub")
+    __mul__, __rmul__, __imul__ = _bin(_op.mul, "mul"), _rbin(_op.mul, "rmul"), _ibin(np.multiply, "imul")
+    __truediv__, __rtruediv__, __itruediv__ = (_bin(_op.truediv, "truediv"), _rbin(_op.truediv, "rtruediv"),
+                                               _ibin(np.true_divide, "itruediv"))
+    __floordiv__, __rfloordiv__, __ifloordiv__ = (_bin(_op.floordiv, "floordiv"), _rbin(_op.floordiv, "rfloordiv"),
+                                                  _ibin(np.floor_divide, "ifloordiv"))
+    __mod__, __rmod__, __imod__ = _bin(_op.mod, "mod"), _rbin(_op.mod, "rmod"), _ibin(np.remainder, "imod")
+    __pow__, __rpow__ = _bin(_op.pow, "pow"), _rbin(_op.pow, "rpow")
+    __and__, __rand__, __iand__ = _bin(_op.and_, "and"), _rbin(_op.and_, "rand"), _ibin(np.bitwise_and, "iand")
+    __or__, __ror__, __ior__ = _bin(_op.or_, "or"), _rbin(_op.or_, "ror"), _ibin(np.bitwise_or, "ior")
+    __xor__, __rxor__, __ixor__ = _bin(_op.xor, "xor"), _rbin(_op.xor, "rxor"), _ibin(np.bitwise_xor, "ixor")
+    __rshift__, __irshift__ = _bin(_op.rshift, "rshift"), _ibin(np.right_shift, "irshift")
+    __lshift__, __ilshift__ = _bin(_op.lshift, "lshift"), _ibin(np.left_shift, "ilshift")
+    __lt__, __le__, __gt__, __ge__ = _bin(_op.lt, "lt"), _bin(_op.le, "le"), _bin(_op.gt, "gt"), _bin(_op.ge, "ge")
+    __eq__, __ne__ = _bin(_op.eq, "eq"), _bin(_op.ne, "ne")
     __hash__ = None
     del _op, _bin, _rbin, _ibin
 
     def __neg__(self):
+        _launch("neg")
         return _wrap(-_unwrap(self))
 
     def __abs__(self):
+        _launch("abs")
         return _wrap(np.abs(_unwrap(self)))
 
     def __invert__(self):
+        _launch("invert")
         return _wrap(~_unwrap(self))
 
     def __dlpack_device__(self):
@@ -317,23 +466,41 @@ class ndarray:
 
 
 def _key(key):
-    """An index into a device array: ints, slices, Ellipsis, None and device arrays only."""
+    """An index into a device array: ints, slices, Ellipsis, None, device arrays (and lists,
+    which CuPy copies to the device: a counted copy). Returns ``(the NumPy key, whether it is
+    an advanced index)``: an advanced index gathers or scatters (a kernel), a basic one is a view."""
     if isinstance(key, tuple):
-        return tuple(_key(k) for k in key)
+        parts = [_key(k) for k in key]
+        return tuple(k for k, _ in parts), builtins.any(adv for _, adv in parts)
     if isinstance(key, np.ndarray):
         raise TypeError("a numpy array cannot index a device array: pass a device array")
     if isinstance(key, ndarray):
         if key.dtype == bool:
             _sync("boolean-index")  # the result's size depends on the data
-        return key._a
-    return key
+        key._on_current_device()
+        return key._a, True
+    if isinstance(key, list):
+        if _host_sequence(key):
+            _copy_in("index")
+        return _unwrap(key, "index"), True
+    return key, False
+
+
+def _host_sequence(v):
+    """Whether ``v`` is a list or tuple of host data (no device array at its top level)."""
+    return isinstance(v, (list, tuple)) and not builtins.any(isinstance(e, ndarray) for e in v)
 
 
 # ---------------------------------------------------------------------------- module functions
+_VIEWS = ("broadcast_to", "empty_like")  # no kernel: a view, an allocation
+
+
 def _fn(name):
     npf = getattr(np, name)
 
     def f(*args, **kw):
+        if name not in _VIEWS:
+            _launch(name)
         return _call(npf, *args, **kw)
 
     f.__name__ = name
@@ -341,50 +508,83 @@ def _fn(name):
 
 
 for _name in ("abs", "negative", "multiply", "add", "subtract", "divide", "true_divide", "sqrt", "square",
-              "isfinite", "isnan", "where", "maximum", "minimum", "clip", "not_equal", "equal", "greater",
+              "isfinite", "isnan", "maximum", "minimum", "clip", "not_equal", "equal", "greater",
               "less", "cumsum", "searchsorted", "logical_not", "logical_or", "logical_and", "sum", "concatenate",
-              "stack", "sort", "take", "put", "ascontiguousarray", "count_nonzero", "remainder", "bitwise_xor",
+              "stack", "sort", "take", "put", "remainder", "bitwise_xor",
               "right_shift", "exp", "log", "power", "dot", "vdot", "einsum", "broadcast_to", "partition",
               "array_equal", "allclose", "full_like", "zeros_like", "ones_like", "empty_like", "any", "all",
               "floor_divide", "repeat"):
     globals()[_name] = _fn(_name)
 
 
+def _reduceat(ufunc, name):
+    def reduceat(a, indices, axis=0, dtype=None, out=None):
+        _launch(f"{name}.reduceat")
+        return _call(ufunc.reduceat, a, indices, axis=axis, dtype=dtype, out=out)
+    return reduceat
+
+
+add.reduceat = _reduceat(np.add, "add")  # noqa: F821 (made by the loop above)
+maximum.reduceat = _reduceat(np.maximum, "maximum")  # noqa: F821
+
+
+def where(condition, *xy):
+    if not xy:
+        _sync("where")  # where(c) is nonzero(c): its size depends on the data
+    _launch("where")
+    return _call(np.where, condition, *xy)
+
+
+def ascontiguousarray(a, dtype=None):
+    r = _call(np.ascontiguousarray, a, dtype=dtype)
+    if isinstance(a, ndarray) and not _is_view(r._a, a._a):
+        _launch("ascontiguousarray")
+    return r
+
+
 def argsort(a, axis=-1, kind=None):
     if kind not in (None, "stable"):
         raise ValueError("CuPy's argsort is stable only")
+    _launch("argsort")
     return _call(np.argsort, a, axis=axis, kind="stable")
 
 
 def count_nonzero(a, axis=None):
+    _launch("count_nonzero")
     return _call(np.count_nonzero, a, axis=axis)  # a 0-d array, no host read (as in CuPy)
 
 
 def flatnonzero(a):
     _sync("flatnonzero")
+    _launch("flatnonzero")
     return _call(np.flatnonzero, a)
 
 
 def nonzero(a):
     _sync("nonzero")
+    _launch("nonzero")
     return _call(np.nonzero, a)
 
 
 def unique(a, **kw):
     _sync("unique")
+    _launch("unique")
     return _call(np.unique, a, **kw)
 
 
 def bincount(x, weights=None, minlength=0):
     if isinstance(x, ndarray) and x.size == 0:
         raise ValueError("cannot compute bincount of an empty array (CuPy takes its maximum)")
+    _launch("bincount")
     return _call(np.bincount, x, weights=weights, minlength=minlength)
 
 
-def _from_host(a, dtype=None):
+def _from_host(a, dtype=None, kind="asarray"):
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    return ndarray(np.array(a, dtype=dtype, copy=True))
+    r = ndarray(np.array(a, dtype=dtype, copy=True))
+    _copy_in(kind)
+    return r
 
 
 def asarray(a, dtype=None, order=None):
@@ -392,7 +592,27 @@ def asarray(a, dtype=None, order=None):
 
 
 def array(a, dtype=None, copy=True, order=None):
-    return _from_host(a, dtype) if not isinstance(a, ndarray) else (a.copy() if copy else a)
+    return _from_host(a, dtype, "array") if not isinstance(a, ndarray) else (a.copy() if copy else a)
+
+
+def fuse(*args, **kwargs):
+    """``cupy.fuse``, run eagerly: ``@fuse``, ``@fuse()`` and ``fuse(kernel_name=...)(f)`` give a
+    function that runs ``f`` and counts one launch, ``fuse(name)`` (CuPy compiles one kernel)."""
+    def wrap(f):
+        name = kwargs.get("kernel_name") or getattr(f, "__name__", "fused")
+
+        def fused(*a, **kw):
+            _fusing[0] += 1
+            try:
+                r = f(*a, **kw)
+            finally:
+                _fusing[0] -= 1
+            _launch(f"fuse({name})")
+            return r
+        return fused
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return wrap(args[0])
+    return wrap
 
 
 def asnumpy(a, stream=None):
@@ -407,18 +627,22 @@ def empty(shape, dtype=float, order="C"):
 
 
 def zeros(shape, dtype=float, order="C"):
+    _launch("zeros")  # a memset on the device
     return ndarray(np.zeros(shape, dtype))
 
 
 def ones(shape, dtype=float, order="C"):
+    _launch("ones")
     return ndarray(np.ones(shape, dtype))
 
 
 def full(shape, value, dtype=None):
+    _launch("full")
     return ndarray(np.full(shape, value, dtype))
 
 
 def arange(*args, dtype=None):
+    _launch("arange")
     return ndarray(np.arange(*args, dtype=dtype))
 
 
@@ -589,6 +813,7 @@ class NcclCommunicator:
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         cuda_log.append(("nccl.allReduce", stream))
+        _launch("nccl.allReduce")
         src, dst = _host(sendbuf, count, datatype), _host(recvbuf, count, datatype)
         everyone = self._comm.allgather(src.copy())
         acc = everyone[0].astype(np.float64 if dst.dtype.kind == "f" else dst.dtype)
@@ -598,12 +823,14 @@ class NcclCommunicator:
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         cuda_log.append(("nccl.allGather", stream))
+        _launch("nccl.allGather")
         src = _host(sendbuf, count, datatype)
         dst = _host(recvbuf, count * self._comm.Get_size(), datatype)
         dst[...] = np.concatenate(self._comm.allgather(src.copy()))
 
     def bcast(self, buff, count, datatype, root, stream):
         cuda_log.append(("nccl.bcast", stream))
+        _launch("nccl.bcast")
         b = _host(buff, count, datatype)
         b[...] = self._comm.bcast(b.copy(), root=root)
 

@@ -365,6 +365,111 @@ class TestTopKWire:
             TopKWire(sc.Layout([(4,)]), 0.5, bad)
 
 
+# --------------------------------------------------------------------------- the fused top-k
+# TopKWire.select picks every tensor's top-k of a fused buffer at once (on a device: two stable
+# sorts of the whole buffer); decode_all adds every rank's payload with one indexed add per rank.
+# Both must be bitwise what the per-tensor code gives: the stable reference per tensor, and the
+# payloads added tensor by tensor, rank after rank.
+_FUSED = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4), (1, 1)]
+
+
+@pytest.fixture
+def strict_cp():
+    import strict_cupy
+
+    with strict_cupy.install() as mod:
+        strict_cupy.Device.current = 0
+        yield mod
+
+
+def _fused_case(rng, lay, kind):
+    n = lay.total
+    if kind == "ties":
+        x = rng.integers(-3, 4, n) * 0.5
+    elif kind == "zeros":
+        x = np.where(rng.random(n) < 0.8, np.where(rng.random(n) < 0.5, -0.0, 0.0), rng.standard_normal(n))
+    elif kind == "inf":  # the selection itself is defined for infinities (the communicator rejects them)
+        x = rng.standard_normal(n)
+        x[rng.choice(n, 40, replace=False)] = np.inf
+        x[rng.choice(n, 40, replace=False)] = -np.inf
+    else:
+        x = rng.standard_normal(n)
+    return x.astype(lay.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "inf"])
+@pytest.mark.parametrize("ratio,whole", [(0.01, False), (0.3, False), (0.3, True), (1.0, False)])
+def test_select_is_the_reference_per_tensor_on_both_libraries(strict_cp, dtype, kind, ratio, whole):
+    lay = sc.Layout(_FUSED, dtype, dense_threshold=50)
+    wire = TopKWire(lay, ratio, dtype, whole_dense=whole)
+    x = _fused_case(np.random.default_rng(len(kind) + len(dtype)), lay, kind)
+    want_local = [sc.codecs.topk_indices_reference(x[o : o + n], k)
+                  for (o, n), k in zip(lay.segments(), wire.counts)]
+    want_pos = np.concatenate([w + o for w, o in zip(want_local, lay.offsets)])
+    want_local = np.concatenate(want_local)
+    for xp in (np, strict_cp):
+        pos, local = wire.select(xp.asarray(x))
+        pos, local = sc.arrays.to_host(pos), sc.arrays.to_host(local)
+        assert pos.dtype == np.int64 and np.array_equal(pos, want_pos), xp.__name__
+        assert np.array_equal(local, want_local), xp.__name__
+
+
+@pytest.mark.parametrize("vdt", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_decode_all_adds_every_rank_as_decode_add_one_by_one(strict_cp, vdt, dtype, ranks):
+    lay = sc.Layout(_FUSED, dtype, dense_threshold=50)
+    wire = TopKWire(lay, 0.1, vdt)
+    rng = np.random.default_rng(ranks)
+    recv = np.concatenate([_encoded(wire, _fused_case(rng, lay, "ties" if r % 2 else "normal")) for r in range(ranks)])
+    acc = np.promote_types(dtype, np.float32)
+    want = np.zeros(lay.total, acc)
+    per_tensor = lay.flat_views(want)  # the per-tensor decode, rank after rank
+    for r in range(ranks):
+        wire.decode_add(recv[r * wire.nbytes : (r + 1) * wire.nbytes], per_tensor)
+    for xp in (np, strict_cp):
+        out = xp.zeros(lay.total, acc)
+        wire.decode_all(xp.asarray(recv).reshape(ranks, wire.nbytes), out)
+        assert sc.arrays.to_host(out).tobytes() == want.tobytes(), xp.__name__
+
+
+def _encoded(wire, x):
+    buf = wire.empty(np)
+    wire.encode(x, buf)
+    return buf
+
+
+def test_the_per_tensor_table_is_copied_to_the_device_once(strict_cp):
+    import strict_cupy
+
+    lay = sc.Layout(_FUSED * 50, "float32", dense_threshold=50)
+    wire = TopKWire(lay, 0.1, "float32")
+    x = strict_cp.asarray(np.random.default_rng(0).standard_normal(lay.total).astype(np.float32))
+    with strict_cupy.counting() as first:
+        wire.select(x)
+    with strict_cupy.counting() as again:
+        wire.select(x)
+    assert first.h2d == 1 and again.h2d == 0 and again.syncs == 0
+    assert again.launches <= 16  # two sorts of the whole buffer, a sort of the picks, a few gathers
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    hnp.arrays(
+        st.sampled_from([np.float16, np.float32, np.float64]),
+        st.integers(1, 300),
+        elements=st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 1e-8, np.inf, -np.inf, np.nan]),
+    ),
+    st.data(),
+)
+def test_small_topk_is_the_reference_with_ties_infinities_and_nan(x, data):
+    """Small inputs take one partition instead of the reference's sort: the same indices, also
+    for ties, signed zeros, infinities and NaN (ranked below everything by the reference)."""
+    k = data.draw(st.integers(0, x.size))
+    assert np.array_equal(sc.topk_indices(x, k), sc.codecs.topk_indices_reference(x, k))
+
+
 # --------------------------------------------------------------------------- masks
 def _compressible_part(lay, idx):
     idx = np.asarray(idx)

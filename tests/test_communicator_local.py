@@ -636,3 +636,340 @@ def test_sparse_allgather_topk_dense_sends_always_dense_tensors_whole(topk_dense
         ref[o : o + n] = c[o : o + n]
     assert np.array_equal(flat_of(out), ref)
     assert np.array_equal(comm.residual, c - ref)
+
+
+# --------------------------------------------------------------------------- the fused top-k exchange
+# sparse_allgather works on the whole fused buffer (and, on a device, selects every tensor's
+# top-k with two sorts of the whole buffer). These tests fix its results bit for bit against
+# the exchange as it was done tensor by tensor before (the reference below), at 1 to 4 ranks
+# run as threads of this process, on NumPy and on the strict CuPy double, and count its device
+# operations, host-to-device copies and host reads.
+import threading  # noqa: E402
+
+import strict_cupy  # noqa: E402
+from slamb_comm.codecs import topk_indices_reference  # noqa: E402
+
+
+def _raw(buf):
+    return buf._a if isinstance(buf, strict_cupy.ndarray) else buf  # the double's host memory
+
+
+class ThreadRanks:
+    """``size`` ranks as threads of this process: each gets a transport whose collectives meet
+    at a barrier (allgather, allreduce, alltoall, broadcast), on NumPy or strict-double buffers."""
+
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots = [None] * size
+
+    def run(self, fn):
+        """``fn(rank, transport)`` on every rank at once; the results, or the first error raised."""
+        out, errs = [None] * self.size, [None] * self.size
+
+        def go(r):
+            try:
+                out[r] = fn(r, _ThreadTransport(self, r))
+            except BaseException as e:  # noqa: BLE001 -- re-raised below, in the test's thread
+                errs[r] = e
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=go, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errs:
+            if e is not None:
+                raise e
+        return out
+
+
+class _ThreadTransport:
+    name = "threads"
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def _everyone(self, buf):
+        g = self.group
+        g.slots[self.rank] = _raw(buf).reshape(-1).copy()
+        g.barrier.wait()
+        everyone = list(g.slots)
+        g.barrier.wait()
+        return everyone
+
+    def allgather(self, sendbuf, recvbuf):
+        _raw(recvbuf).reshape(-1)[...] = np.concatenate(self._everyone(sendbuf))
+
+    def allreduce(self, buf):
+        parts = self._everyone(buf)
+        acc = parts[0].copy()
+        for p in parts[1:]:
+            acc += p
+        _raw(buf).reshape(-1)[...] = acc
+
+    def alltoall(self, sendbuf, recvbuf):
+        parts = self._everyone(sendbuf)
+        n = parts[0].size // self.size
+        _raw(recvbuf).reshape(-1)[...] = np.concatenate([p[self.rank * n : (self.rank + 1) * n] for p in parts])
+
+    def broadcast(self, buf, root=0):
+        _raw(buf).reshape(-1)[...] = self._everyone(buf)[root]
+
+    def barrier(self):
+        self.group.barrier.wait()
+
+
+def per_tensor_exchange(lay, ratio, vdt, xs, es, whole_dense=False, skip=()):
+    """The top-k exchange of ALGORITHM.md section 2 as slamb_comm computed it tensor by tensor
+    (before the fused path), operation for operation, so its bits are the reference: per rank
+    and tensor ``c = x + e``, the stable top-k (:func:`topk_indices_reference`), the values cast
+    to the payload dtype; every rank's payload added tensor by tensor, rank after rank, in
+    ``promote(dtype, float32)``, times 1/P, cast back; ``e = (e or zeros) + x - sent`` (the
+    tensors in ``skip`` keep theirs). ``xs``, ``es``: every rank's fused input and error
+    buffer (None before the first exchange). Returns ``(mean, new error buffers)``."""
+    P, dt = len(xs), lay.dtype
+    vdt = np.dtype(vdt or dt)
+    acc = np.promote_types(dt, np.float32)
+    counts = [n if whole_dense and d else sc.k_elems(ratio, n) for n, d in zip(lay.sizes, lay.dense)]
+    sent = []
+    for r in range(P):
+        mine = []
+        for (o, n), k in zip(lay.segments(), counts):
+            c = xs[r][o : o + n] if es[r] is None else xs[r][o : o + n] + es[r][o : o + n]
+            loc = topk_indices_reference(c, k)
+            mine.append((o + loc, c[loc].astype(vdt)))
+        sent.append(mine)
+    out = np.zeros(lay.total, acc)
+    for r in range(P):
+        for pos, v in sent[r]:
+            out[pos] += v.astype(acc)
+    if P > 1:
+        out *= acc.type(1.0 / P)
+    out = out.astype(dt)
+    new = []
+    for r in range(P):
+        e = np.zeros(lay.total, dt) if es[r] is None else es[r].copy()
+        for i, ((o, n), (pos, v)) in enumerate(zip(lay.segments(), sent[r])):
+            if i not in skip:
+                e[o : o + n] += xs[r][o : o + n]
+                e[pos] -= v.astype(dt)
+        new.append(e)
+    return out, new
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.dtype.str, a.shape, a.tobytes()
+
+
+def _host_flat(a):
+    if isinstance(a, (list, tuple)):
+        return np.concatenate([np.array(sc.arrays.to_host(x)).reshape(-1) for x in a])
+    return np.array(sc.arrays.to_host(a))
+
+
+# Sizes that exercise every path: empty and 1-element tensors, k = n, ties, a tensor above the
+# CPU's small-input bound (16,384 elements), one that is always dense (ndim 1).
+FUSED_SHAPES = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4), (1, 1)]
+
+
+def _inputs(rng, lay, P, steps, kind):
+    out = []
+    for _ in range(steps):
+        xs = []
+        for _ in range(P):
+            if kind == "ties":  # few distinct magnitudes: ties everywhere, broken by the lower index
+                x = rng.integers(-3, 4, lay.total) * 0.25
+            elif kind == "zeros":  # mostly +0.0 and -0.0: k exceeds the nonzeros, zeros are sent
+                x = np.where(rng.random(lay.total) < 0.8, np.where(rng.random(lay.total) < 0.5, -0.0, 0.0),
+                             rng.standard_normal(lay.total))
+            else:
+                x = rng.standard_normal(lay.total) * 3
+            xs.append(x.astype(lay.dtype))
+        out.append(xs)
+    return out
+
+
+def _exchange_ranks(P, lay, ratio, vdt, steps_inputs, xp, fused, whole_dense=False, modes=None, bad=None):
+    """Run the exchanges on P thread ranks; per step and rank (result or error, residual)."""
+    modes = modes or ["commit"] * len(steps_inputs)
+
+    def rank(r, transport):
+        dev = (lambda a: a) if xp is np else xp.asarray
+        comm = sc.Communicator(transport, lay, ratio=ratio, value_dtype=vdt, seed=1, topk_dense=whole_dense)
+        got = []
+        for t, (xs, mode) in enumerate(zip(steps_inputs, modes)):
+            x = xs[r].copy()
+            if bad is not None and bad[0] == t and bad[1] == r:
+                x[bad[2]] = bad[3]
+            arg = dev(x) if fused else [dev(v.reshape(s)) for v, s in zip(lay.flat_views(x), lay.shapes)]
+            try:
+                if mode == "commit":
+                    out = comm.sparse_allgather(arg)
+                else:
+                    out = comm.sparse_allgather(arg, commit=False)
+                    comm.commit_residual(skip=mode[1])
+                res = (_host_flat(out), None)
+            except sc.SlambCommError as e:
+                res = (None, e)
+            got.append((res, None if comm.residual is None else _host_flat(comm.residual)))
+        return got
+
+    return ThreadRanks(P).run(rank)
+
+
+def _check_against_reference(got, lay, ratio, vdt, steps_inputs, whole_dense=False, modes=None):
+    P = len(steps_inputs[0])
+    modes = modes or ["commit"] * len(steps_inputs)
+    es = [None] * P
+    for t, (xs, mode) in enumerate(zip(steps_inputs, modes)):
+        skip = () if mode == "commit" else mode[1]
+        want, es = per_tensor_exchange(lay, ratio, vdt, xs, es, whole_dense, skip)
+        for r in range(P):
+            (out, err), res = got[r][t]
+            assert err is None, err
+            assert _bits(out) == _bits(want), f"step {t} rank {r}: the mean differs"
+            assert _bits(res) == _bits(es[r]), f"step {t} rank {r}: the error buffer differs"
+
+
+@pytest.fixture(params=["numpy", "strict"])
+def lib(request):
+    if request.param == "numpy":
+        yield np
+        return
+    with strict_cupy.install() as mod:
+        strict_cupy.Device.current = 0
+        yield mod
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros"])
+def test_sparse_allgather_is_bitwise_the_per_tensor_exchange(lib, P, kind):
+    """Four steps: commit, commit=False + commit_residual(), skip one tensor, skip the big one;
+    list and fused inputs alternate; float32 data and payload."""
+    lay = sc.Layout(FUSED_SHAPES, "float32", dense_threshold=50)
+    rng = np.random.default_rng([P, len(kind)])
+    steps = _inputs(rng, lay, P, 4, kind)
+    modes = ["commit", ("later", ()), ("later", {1, 4}), ("later", {0})]
+    for fused in (False, True):
+        got = _exchange_ranks(P, lay, 0.1, None, steps, lib, fused, modes=modes)
+        _check_against_reference(got, lay, 0.1, None, steps, modes=modes)
+
+
+@pytest.mark.parametrize("dtype,vdt", [("float16", None), ("float16", "float32"), ("float32", "float16"),
+                                       ("float64", "float16"), ("float64", None), ("float32", "float64")])
+@pytest.mark.parametrize("P", [1, 3])
+def test_sparse_allgather_dtypes_are_bitwise_the_per_tensor_exchange(lib, dtype, vdt, P):
+    """Every data dtype with float16 payloads (and wider ones): the sums in float32, the casts."""
+    lay = sc.Layout(FUSED_SHAPES, dtype, dense_threshold=50)
+    steps = _inputs(np.random.default_rng(len(dtype) + P), lay, P, 3, "ties" if P == 3 else "normal")
+    got = _exchange_ranks(P, lay, 0.05, vdt, steps, lib, fused=P == 1)
+    _check_against_reference(got, lay, 0.05, vdt, steps)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_sparse_allgather_whole_dense_and_ratio_one_are_bitwise(lib, ratio):
+    """topk_dense (the always-dense tensors sent whole) and ratio 1 (every element sent: the
+    device skips the sorts)."""
+    lay = sc.Layout(FUSED_SHAPES, "float32", dense_threshold=50)
+    steps = _inputs(np.random.default_rng(7), lay, 2, 3, "zeros")
+    got = _exchange_ranks(2, lay, ratio, None, steps, lib, fused=False, whole_dense=True)
+    _check_against_reference(got, lay, ratio, None, steps, whole_dense=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 7e4])
+def test_sparse_allgather_non_finite_on_one_rank_changes_nothing_anywhere(lib, bad):
+    """NaN/Inf in one rank's input at step 1 (7e4: finite, but Inf in the float16 payload): every
+    rank raises NonFiniteError naming that rank, no error buffer changes, and the next exchange
+    is bitwise the reference's (which never saw the failed step)."""
+    P, R = 3, 1
+    lay = sc.Layout(FUSED_SHAPES, "float32", dense_threshold=50)
+    steps = _inputs(np.random.default_rng(11), lay, P, 3, "normal")
+    with np.errstate(over="ignore"):
+        got = _exchange_ranks(P, lay, 0.1, "float16", steps, lib, fused=False, bad=(1, R, 20000, bad))
+    for r in range(P):
+        (_, err), res = got[r][1]
+        assert isinstance(err, sc.NonFiniteError) and err.ranks == (R,), err
+        assert _bits(res) == _bits(got[r][0][1]), f"rank {r}: the failed exchange changed the error buffer"
+    ok = [steps[0], steps[2]]
+    _check_against_reference([[g[0], g[2]] for g in got], lay, 0.1, "float16", ok)
+
+
+def test_sparse_allgather_nan_before_the_first_exchange_leaves_no_residual(lib):
+    lay = sc.Layout(FUSED_SHAPES, "float32", dense_threshold=50)
+    steps = _inputs(np.random.default_rng(12), lay, 2, 2, "normal")
+    got = _exchange_ranks(2, lay, 0.1, None, steps, lib, fused=True, bad=(0, 0, 3, np.nan))
+    for r in range(2):
+        (_, err), res = got[r][0]
+        assert isinstance(err, sc.NonFiniteError) and err.ranks == (0,) and res is None
+    _check_against_reference([[g[1]] for g in got], lay, 0.1, None, [steps[1]])
+
+
+class _Twin:
+    """Rank 0 of 2 in one process: the other rank sends exactly what this one does (a gathered
+    buffer holds this rank's block twice); as an NCCL call, every collective counts one launch."""
+
+    rank, size, name = 0, 2, "twin"
+
+    def allgather(self, sendbuf, recvbuf):
+        strict_cupy.launches["collective.allgather"] += 1
+        s, r = _raw(sendbuf).reshape(-1), _raw(recvbuf).reshape(-1)
+        r[: s.size] = s
+        r[s.size :] = s
+
+    def alltoall(self, sendbuf, recvbuf):
+        strict_cupy.launches["collective.alltoall"] += 1
+        s, r = _raw(sendbuf).reshape(-1), _raw(recvbuf).reshape(-1)
+        n = s.size // 2
+        r[:n] = s[:n]
+        r[n:] = s[:n]
+
+    def allreduce(self, buf):
+        strict_cupy.launches["collective.allreduce"] += 1
+        _raw(buf)[...] *= 2
+
+    def broadcast(self, buf, root=0):
+        pass
+
+    def barrier(self):
+        pass
+
+
+def _count_calls(cp, tensors, what, vdt, P, fused, n=40):
+    """Device operations, host-to-device copies and host reads of the 3rd call (two before it)."""
+    lay = sc.Layout([(1, n)] * tensors, "float32", dense_threshold=0)
+    rng = np.random.default_rng(tensors)
+    comm = sc.Communicator(sc.LocalTransport() if P == 1 else _Twin(), lay, ratio=0.1, value_dtype=vdt, seed=1)
+    op = comm.sparse_allgather if what == "topk" else comm.onebit_allreduce
+
+    def arg():
+        x = (rng.standard_normal(lay.total) * 0.1).astype(np.float32)
+        return cp.asarray(x) if fused else [cp.asarray(v.reshape(1, n)) for v in lay.flat_views(x)]
+
+    first = arg()
+    with strict_cupy.counting() as c1:
+        op(first)
+    op(arg())
+    x = arg()
+    with strict_cupy.counting() as c:
+        op(x)
+    return c1, c
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("vdt", ["float32", "float16"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_allgather_device_operations_do_not_grow_with_the_tensors(P, vdt, fused):
+    """On the strict double: the same number of device operations (at most 64) at 10, 100 and
+    1,000 tensors, no host-to-device copy (one, the per-tensor table, at the first call), one
+    host read. (Issue 21: 212 / 2,012 before, for 10 / 100 tensors.)"""
+    with strict_cupy.install() as cp:
+        strict_cupy.Device.current = 0
+        counted = {t: _count_calls(cp, t, "topk", vdt, P, fused) for t in (10, 100, 1000)}
+    launches = {t: c.launches for t, (_, c) in counted.items()}
+    assert len(set(launches.values())) == 1 and launches[10] <= 64, (launches, counted[1000][1].by_op)
+    assert all(c.h2d == 0 and c.syncs == 1 for _, c in counted.values()), counted
+    assert all(c1.h2d <= 1 and c1.syncs == 1 for c1, _ in counted.values()), counted

@@ -360,3 +360,67 @@ def test_cupy_branch_non_finite_and_mixed_libraries(cp):
     with pytest.raises(TypeError):
         ex.allreduce(make(1))  # NumPy arrays for a state on the device
     assert np.array_equal(ex.worker_error.get(), before)
+
+
+# --------------------------------------------------------------------------- fused copies in and out
+# The caller's arrays go into the fused buffer with one copy (a fused input) or one concatenate
+# (a list), and come back with one copy, or one per tensor for a list (they are the caller's own
+# arrays): every other operation works on the whole buffer.
+from test_communicator_local import ThreadRanks, _count_calls  # noqa: E402
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_list_and_fused_inputs_give_the_same_bits_on_both_libraries(P, dtype):
+    shapes = SHAPES + [(9, 11)] * 12
+    runs = {}
+    for lib in ("numpy", "strict"):
+        for fused in (False, True):
+            with strict_cupy.install() as cp:
+                strict_cupy.Device.current = 0
+                xp = np if lib == "numpy" else cp
+
+                def rank(r, transport, xp=xp, fused=fused):
+                    comm = sc.Communicator(transport, sc.Layout(shapes, np.dtype(dtype).name), seed=1)
+                    got = []
+                    for step in range(3):
+                        x = make(100 * step + r, dtype, xp, shapes)
+                        if fused:
+                            x = xp.concatenate([a.reshape(-1) for a in x])
+                        assert comm.onebit_allreduce(x) is x
+                        ex = comm._onebit
+                        got.append((flat(x) if not fused else np.array(sc.arrays.to_host(x)),
+                                    np.array(sc.arrays.to_host(ex.worker_error)),
+                                    np.array(sc.arrays.to_host(ex.server_error))))
+                    return got
+
+                runs[lib, fused] = ThreadRanks(P).run(rank)
+    want = runs["numpy", False]
+    for key, got in runs.items():
+        for r in range(P):
+            for step in range(3):
+                for a, b in zip(got[r][step], want[r][step]):
+                    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (key, r, step)
+    # and the float64 reference of the page, at float64
+    if dtype == np.float64:
+        we = se = None
+        for step in range(3):
+            xs = [flat(make(100 * step + r, dtype, np, shapes)) for r in range(P)]
+            y, we, se = ref.exchange(xs, we, se)
+            for r in range(P):
+                np.testing.assert_allclose(want[r][step][0], y, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("fused", [False, True])
+def test_device_operations_grow_by_at_most_one_per_tensor(P, fused):
+    """On the strict double: a fused input takes the same number of device operations at 10, 100
+    and 1,000 tensors; a list one more per tensor (the copy back into each of the caller's
+    arrays; before: two per tensor). No host-to-device copy, one host read."""
+    with strict_cupy.install() as cp:
+        strict_cupy.Device.current = 0
+        counted = {t: _count_calls(cp, t, "onebit", "float32", P, fused)[1] for t in (10, 100, 1000)}
+    extra = {t: counted[t].launches - counted[10].launches for t in (100, 1000)}
+    assert extra == ({100: 0, 1000: 0} if fused else {100: 90, 1000: 990}), (extra, counted[10].by_op)
+    assert counted[10].launches <= 96
+    assert all(c.h2d == 0 and c.syncs == 1 for c in counted.values()), counted

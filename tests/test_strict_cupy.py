@@ -1,6 +1,6 @@
 """The core's CuPy branches on the CPU, through the strict CuPy double (tests/strict_cupy.py),
 each compared with the NumPy branch; the GPU defects found that way; host synchronisations
-per step, counted.
+per step, counted; the double's counts of device operations and host-to-device copies.
 
 ``strict_cupy``'s docstring says what the double catches (implicit host conversion, NumPy
 operands, misaligned typed views, arrays on another device than the current one, host reads)
@@ -36,7 +36,7 @@ def strict(cp):
     """The double only: host reads are counted and devices checked."""
     if REAL:
         pytest.skip("counts host reads and fakes a second device: the strict double only")
-    strict_cupy.reset_syncs()
+    strict_cupy.reset_counts()
     return cp
 
 
@@ -81,6 +81,147 @@ def test_the_double_is_strict(strict):
     bool(a.max() > 3)
     a.get()
     assert strict_cupy.total_syncs() == 3
+
+
+# ----------------------------------------------------------------------------- the double's counts
+# (expression, device operations, host-to-device copies, host reads); run with a, b: float32
+# (12,), m: a 2-D (3, 4) float32 array, idx: int64 indices, h: a NumPy array (see the double's
+# docstring for the definitions)
+COUNTED = [
+    ("a + b", 1, 0, 0),
+    ("a * 0.5", 1, 0, 0),
+    ("2 * a", 1, 0, 0),
+    ("a += 1", 1, 0, 0),
+    ("a -= b", 1, 0, 0),
+    ("-a", 1, 0, 0),
+    ("a < b", 1, 0, 0),
+    ("(a + b) * a", 2, 0, 0),
+    ("a[idx]", 1, 0, 0),
+    ("a.take(idx)", 1, 0, 0),
+    ("cp.take(a, idx)", 1, 0, 0),
+    ("a[a > 0]", 2, 0, 1),  # the comparison, the gather (its size depends on the data: a read)
+    ("a[2:5]", 0, 0, 0),
+    ("a[3]", 0, 0, 0),  # a 0-d view, as in CuPy
+    ("a.reshape(3, 4)", 0, 0, 0),
+    ("m.T", 0, 0, 0),
+    ("m.T.reshape(-1)", 1, 0, 0),  # not contiguous: a copy
+    ("m.ravel()", 0, 0, 0),
+    ("a.view(np.int32)", 0, 0, 0),
+    ("cp.broadcast_to(a[:1], (5, 12))", 0, 0, 0),
+    ("cp.ascontiguousarray(a)", 0, 0, 0),
+    ("cp.ascontiguousarray(m.T)", 1, 0, 0),
+    ("a[idx] = b[:3]", 1, 0, 0),
+    ("a[idx] = 0", 1, 0, 0),
+    ("a[2:5] = b[:3]", 1, 0, 0),
+    ("a[...] = 0", 1, 0, 0),
+    ("a[:3] = np.float32(1)", 1, 0, 0),  # a scalar is a kernel argument, not a copy
+    ("a[:3] = [1, 2, 3]", 1, 1, 0),
+    ("a[[0, 2]]", 1, 1, 0),  # the list goes to the device first
+    ("a.fill(2)", 1, 0, 0),
+    ("a.copy()", 1, 0, 0),
+    ("a.astype(np.float16)", 1, 0, 0),
+    ("a.astype(np.float32, copy=False)", 0, 0, 0),
+    ("cp.asarray(h)", 0, 1, 0),
+    ("cp.asarray(h, np.float64)", 0, 1, 0),
+    ("cp.array([1.0, 2.0])", 0, 1, 0),
+    ("cp.asarray(3.0)", 0, 1, 0),
+    ("cp.asarray(a)", 0, 0, 0),
+    ("cp.asarray(a, np.float64)", 1, 0, 0),  # a cast on the device
+    ("cp.array(a)", 1, 0, 0),
+    ("a.set(h)", 0, 1, 0),
+    ("a.get()", 0, 0, 1),
+    ("cp.asnumpy(a)", 0, 0, 1),
+    ("cp.empty(5)", 0, 0, 0),
+    ("cp.empty_like(a)", 0, 0, 0),
+    ("cp.zeros(5)", 1, 0, 0),
+    ("cp.ones(5)", 1, 0, 0),
+    ("cp.full(5, 2.0)", 1, 0, 0),
+    ("cp.arange(5)", 1, 0, 0),
+    ("cp.zeros_like(a)", 1, 0, 0),
+    ("a.sum()", 1, 0, 0),
+    ("float(a.sum())", 1, 0, 1),
+    ("bool(a.max() > 0)", 2, 0, 1),
+    ("cp.dot(a, b)", 1, 0, 0),
+    ("cp.sum(cp.square(a, dtype=np.float64))", 2, 0, 0),
+    ("a.all()", 1, 0, 0),
+    ("cp.cumsum(a)", 1, 0, 0),
+    ("cp.sqrt(a * a)", 2, 0, 0),
+    ("cp.multiply(a, b, out=c)", 1, 0, 0),
+    ("cp.where(a > 0, a, 0.0)", 2, 0, 0),
+    ("cp.clip(a, -1, 1)", 1, 0, 0),
+    ("cp.isfinite(a)", 1, 0, 0),
+    ("cp.concatenate((a, b))", 1, 0, 0),
+    ("cp.sort(a)", 1, 0, 0),
+    ("cp.argsort(a)", 1, 0, 0),
+    ("cp.partition(a, 3)", 1, 0, 0),
+    ("cp.searchsorted(a, b)", 1, 0, 0),
+    ("cp.bincount(idx)", 1, 0, 0),
+    ("cp.flatnonzero(a)", 1, 0, 1),
+    ("cp.count_nonzero(a)", 1, 0, 0),
+    ("cp.lib.stride_tricks.as_strided(a, shape=(3, 3), strides=(4, 4))", 0, 0, 0),
+    ("fused(a, b)", 1, 0, 0),  # a cupy.fuse'd function: one kernel
+    ("cp.add.reduceat(a, idx)", 1, 0, 0),
+]
+
+
+@pytest.mark.parametrize("expr,launches,copies,reads", COUNTED, ids=[e[0] for e in COUNTED])
+def test_the_double_counts_launches_copies_and_reads(strict, expr, launches, copies, reads):
+    cp = strict
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal(12).astype(np.float32)
+    env = {"cp": cp, "np": np, "h": h, "a": cp.asarray(h), "b": cp.asarray(h[::-1].copy()),
+           "c": cp.empty(12, np.float32), "m": cp.asarray(h.reshape(3, 4)),
+           "idx": cp.asarray(np.array([1, 4, 7], np.int64)), "fused": cp.fuse()(lambda x, y: x * y + 1)}
+    with strict_cupy.counting() as c:
+        exec(expr, env)  # noqa: S102 -- the expressions above
+    assert (c.launches, c.h2d, c.syncs) == (launches, copies, reads), (c.by_op, c.by_h2d, c.by_sync)
+
+
+def test_counters_reset_and_counting_blocks(strict):
+    cp = strict
+    a = cp.asarray(np.arange(6, dtype=np.float32))
+    a += 1
+    float(a.sum())
+    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 1}
+    assert strict_cupy.launches == {"iadd": 1, "sum": 1} and strict_cupy.h2d == {"asarray": 1}
+    strict_cupy.reset_syncs()  # the older names reset their own counter only
+    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 0}
+    strict_cupy.reset_launches()
+    strict_cupy.reset_h2d()
+    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0}
+    with strict_cupy.counting() as c:
+        b = a * 2
+        b[1:3] = a[:2]
+        b.get()
+    assert (c.launches, c.h2d, c.syncs) == (2, 0, 1) and c.by_op == {"mul": 1, "setitem(copy)": 1}
+    a - 1
+    assert c.launches == 2 and strict_cupy.total_launches() == 3  # the module keeps counting
+    strict_cupy.reset_counts()
+    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0}
+
+
+def test_the_counts_of_a_step_do_not_depend_on_the_sizes(strict):
+    """Per call, not per element: a SLAMB step and a top-k exchange on 6 tensors count the same
+    at two sizes (both multiples of the mask's 10 chunks, so the tensors cut alike)."""
+    cp = strict
+
+    def one(shape):
+        shapes = [shape] * 6
+        x = arrays(cp, 0, shapes)
+        comm = sc.Communicator(None, x, ratio=0.1, seed=1, dense_threshold=100)
+        opt = Slamb(comm, lr=0.01, weight_decay=0.01)
+        opt.step(x, arrays(cp, 1, shapes))
+        comm.sparse_allgather(arrays(cp, 2, shapes))
+        with strict_cupy.counting() as s:
+            opt.step(x, arrays(cp, 3, shapes))
+        g = arrays(cp, 4, shapes)
+        with strict_cupy.counting() as k:
+            comm.sparse_allgather(g)
+        return (s.by_op, s.by_h2d, s.by_sync), (k.by_op, k.by_h2d, k.by_sync)
+
+    small, large = one((20, 50)), one((200, 500))
+    assert small == large
+    assert sum(small[0][0].values()) > 6 and sum(small[1][0].values()) > 6  # counted, per tensor
 
 
 # ----------------------------------------------------------------------------- numpy path == cupy path
@@ -294,7 +435,7 @@ def test_defect6_adapter_runs_the_core_on_the_tensors_device_and_torchs_stream(s
     torch = pytest.importorskip("torch")
     import types
 
-    import slamb_comm.adapters.torch as sh
+    from slamb_comm.adapters.torch.tensors import cuda_scope
 
     asked = []
 
@@ -304,11 +445,11 @@ def test_defect6_adapter_runs_the_core_on_the_tensors_device_and_torchs_stream(s
 
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     dev = types.SimpleNamespace(type="cuda", index=1)
-    with sh._cuda_scope(dev):
+    with cuda_scope(dev):
         assert strict.cuda.get_current_stream().ptr == 0x5000
         assert strict_cupy.Device.current == 1
     assert asked == [dev]
     assert strict.cuda.get_current_stream().ptr == 0 and strict_cupy.Device.current == 0
-    with sh._cuda_scope(torch.device("cpu")):  # CPU tensors: nothing to do
+    with cuda_scope(torch.device("cpu")):  # CPU tensors: nothing to do
         assert strict.cuda.get_current_stream().ptr == 0
     assert strict_cupy.total_syncs() == 0
