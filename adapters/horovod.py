@@ -47,7 +47,10 @@ parameter's dtype. With Horovod's own compressions, bfloat16 gradients are sent 
 (or float16 with ``hvd.Compression.fp16``) and cast back.
 """
 
+import contextlib
 import itertools
+import os
+import sys
 
 import torch
 
@@ -55,7 +58,10 @@ import horovod.torch as hvd
 
 from slamb_comm.codecs import TopK
 from slamb_comm.transports import check_alltoall, check_buffer
-from slamb_comm.adapters.torch import SLAMB, OneBitLAMB, _check_named_parameters, _torch_view, _wrap
+from slamb_comm.adapters.torch import SLAMB, OneBitLAMB
+from slamb_comm.adapters.torch.distributed import wrap
+from slamb_comm.adapters.torch.params import check_named_parameters
+from slamb_comm.adapters.torch.tensors import torch_view
 
 __all__ = ["HorovodTransport", "SLAMB", "OneBitLAMB", "TopK", "DistributedOptimizer"]
 
@@ -101,7 +107,7 @@ class HorovodTransport:
     def allreduce(self, buf):
         """In place: the element-wise sum over ranks."""
         check_buffer(buf)
-        t = _torch_view(buf)
+        t = torch_view(buf)
         if t.dtype == torch.uint8:
             wide = t.to(torch.int32)
             hvd.allreduce_(wide, op=hvd.Sum, name=self._name("allreduce"), process_set=self.process_set)
@@ -122,20 +128,20 @@ class HorovodTransport:
             raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
         name = self._name("allgather")
         try:
-            out = hvd.allgather(_torch_view(sendbuf), name=name, process_set=self.process_set)
+            out = hvd.allgather(torch_view(sendbuf), name=name, process_set=self.process_set)
         except hvd.HorovodInternalError as err:
             if "not supported with Join" not in str(err):
                 raise
             # Every rank that is not joined got this error for this allgather: gather by summing.
-            mine = _torch_view(sendbuf).reshape(-1).view(torch.uint8)
+            mine = torch_view(sendbuf).reshape(-1).view(torch.uint8)
             words = mine.numel() % 4 == 0  # summed as int32 words (x + 0 is exact), else byte by byte
             slots = torch.zeros(self.size, mine.numel() // 4 if words else mine.numel(), dtype=torch.int32,
                                 device=mine.device)
             slots[self.rank].copy_(mine.view(torch.int32) if words else mine)
             hvd.allreduce_(slots, op=hvd.Sum, name=name + ".joined", process_set=self.process_set)
             out = (slots if words else slots.to(torch.uint8)).reshape(-1).view(torch.uint8)
-            out = out.view(_torch_view(sendbuf).dtype)
-        _torch_view(recvbuf).copy_(out.reshape(-1))
+            out = out.view(torch_view(sendbuf).dtype)
+        torch_view(recvbuf).copy_(out.reshape(-1))
 
     def alltoall(self, sendbuf, recvbuf):
         """Rank r's ``sendbuf[j * n:(j + 1) * n]`` arrives in rank j's ``recvbuf[r * n:(r + 1) * n]``
@@ -148,7 +154,7 @@ class HorovodTransport:
         contribute zeros to every allreduce."""
         check_alltoall(sendbuf, recvbuf, self.size)
         name = self._name("alltoall")
-        src = _torch_view(sendbuf)
+        src = torch_view(sendbuf)
         try:
             out = hvd.alltoall(src, name=name, process_set=self.process_set)
         except hvd.HorovodInternalError as err:
@@ -165,14 +171,14 @@ class HorovodTransport:
             block = slots.shape[1] // self.size
             rows = slots[:, self.rank * block:(self.rank + 1) * block].contiguous()
             out = (rows if words else rows.to(torch.uint8)).reshape(-1).view(torch.uint8).view(src.dtype)
-        _torch_view(recvbuf).copy_(out.reshape(-1))
+        torch_view(recvbuf).copy_(out.reshape(-1))
 
     def broadcast(self, buf, root=0):
         """In place: every rank gets ``root``'s buffer."""
         check_buffer(buf)
         if not 0 <= int(root) < self.size:
             raise ValueError(f"root {root} out of range for {self.size} ranks")
-        hvd.broadcast_(_torch_view(buf), int(root), name=self._name("broadcast"), process_set=self.process_set)
+        hvd.broadcast_(torch_view(buf), int(root), name=self._name("broadcast"), process_set=self.process_set)
 
     def barrier(self):
         """Wait until every rank of the process set has arrived."""
@@ -181,7 +187,7 @@ class HorovodTransport:
 
 class _HorovodCollectives:
     """The collectives the distributed optimizers of :mod:`slamb_comm.adapters.torch` use, on
-    Horovod's (see ``_TorchCollectives`` there for the interface)."""
+    Horovod's (see :class:`slamb_comm.adapters.torch.collectives.TorchCollectives` for the interface)."""
 
     device = torch.device("cpu")
 
@@ -190,6 +196,11 @@ class _HorovodCollectives:
         self.member = bool(process_set.included())
         self.size = int(process_set.size()) if self.member else 1
         self.rank = int(process_set.rank()) if self.member else 0
+
+    @staticmethod
+    def batch():
+        """Nothing to do: Horovod's own tensor fusion batches the allreduces in flight."""
+        return contextlib.nullcontext()
 
     def allreduce_async(self, t, name, average=False, prescale=1.0, postscale=1.0):
         return hvd.allreduce_async_(t, name=name, op=hvd.Average if average else hvd.Sum, prescale_factor=prescale,
@@ -241,7 +252,8 @@ class _Bf16Safe:
 # ---------------------------------------------------------------------------- the factory
 def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None, sparse_as_dense=False, process_set=hvd.global_process_set):
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=hvd.global_process_set,
+                         grad_scaler=None, abort_on_exception=True):
     """A drop-in for ``hvd.DistributedOptimizer`` (same arguments) with slamb_comm's exchanges.
 
     Three behaviours, chosen by the arguments:
@@ -271,6 +283,21 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     dense (as with ``sparse_as_dense=True``). bfloat16 is exchanged as float32: Horovod's
     collectives carry no bfloat16 or bool.
 
+    ``abort_on_exception`` (slamb_comm's): an exception nobody catches on one rank ends that
+    process at once (after printing it), without Horovod's shutdown, so that the launcher
+    (horovodrun, mpirun) ends the whole job within seconds, as the core's MPI transport does with
+    ``MPI_Abort``. Why: with Horovod 0.28.1, a rank that exits normally while another is still
+    launching allreduces can deadlock that rank (its background thread, shutting down, holds the
+    process-set mutex and waits for the GIL; the main thread holds the GIL and waits for that
+    mutex), and the job hangs until an outer timeout; seen here in 1 of 12 to 2 of 12 runs of a
+    2-rank job whose rank 1 raises, and in none of 30 with this hook. ``False`` leaves
+    ``sys.excepthook`` alone.
+
+    ``grad_scaler`` (slamb_comm's): with a :class:`TopK` compression and an
+    AMP ``GradScaler`` under Horovod's AMP idiom (``synchronize()`` before ``scaler.unscale_``),
+    pass the scaler so that the error buffers stay in unscaled units across changes of the scale
+    (see :func:`slamb_comm.adapters.torch.DistributedOptimizer`).
+
     Like Horovod, the result is an instance of a class built with
     ``type(optimizer.__class__.__name__, (optimizer.__class__,), ...)`` sharing the
     optimizer's ``param_groups``; use the returned object from then on.
@@ -285,6 +312,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     slamb = isinstance(optimizer, SLAMB) or onebit
     topk = isinstance(compression, TopK)
     if not slamb and not topk:
+        if grad_scaler is not None:
+            raise ValueError("grad_scaler= is for slamb_comm's top-k exchange; hvd.DistributedOptimizer takes none")
         if any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):
             compression = _Bf16Safe(compression)
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
@@ -300,11 +329,41 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         raise ValueError(f"{type(optimizer).__name__} averages momenta: op must be hvd.Average")
     if topk and op not in (hvd.Average, hvd.Sum):
         raise ValueError("TopK exchange supports op=hvd.Average or hvd.Sum")
-    names = _check_named_parameters(named_parameters, optimizer.param_groups)
+    names = check_named_parameters(named_parameters, optimizer.param_groups)
     if slamb and compression is hvd.Compression.fp16:
         for g in optimizer.param_groups:
             g["value_dtype"] = "float16"
-    dist = _wrap(optimizer, names, compression, backward_passes_per_step, _HorovodCollectives(process_set),
-                 sum_op=op == hvd.Sum, gradient_predivide_factor=gradient_predivide_factor)
+    dist = wrap(optimizer, names, compression, backward_passes_per_step, _HorovodCollectives(process_set),
+                sum_op=op == hvd.Sum, gradient_predivide_factor=gradient_predivide_factor, grad_scaler=grad_scaler)
     dist.op, dist.process_set = op, process_set
+    if abort_on_exception:
+        _end_job_on_uncaught_exception()
     return dist
+
+
+_EXIT_HOOK = []
+
+
+def _end_job_on_uncaught_exception():
+    """Once per process: an uncaught exception is printed, then the process ends with
+    ``os._exit(1)`` (no atexit handlers, no Horovod shutdown); see ``abort_on_exception``."""
+    if _EXIT_HOOK:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            previous(kind, value, tb)
+        finally:
+            try:
+                rank = hvd.rank()
+            except Exception:  # noqa: BLE001 -- Horovod not initialised any more: say so, end anyway
+                rank = "?"
+            sys.stderr.write(f"slamb_comm: uncaught {kind.__name__} on Horovod rank {rank}; ending this process "
+                             "now (os._exit(1)) so that the launcher ends the job\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
+    _EXIT_HOOK.append(hook)

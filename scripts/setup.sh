@@ -17,6 +17,12 @@ trap 'echo "[setup] FAILED during: ${STEP}" >&2' ERR
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
+# Every pip install below takes the torch pin as a constraint: an unpinned resolve could replace
+# the CPU wheel with a CUDA build of several GB.
+PIN="$(mktemp)"
+echo "torch==${TORCH_VERSION}" > "$PIN"
+trap 'rm -f "$PIN"' EXIT
+
 step "Debian packages: Open MPI (openmpi-bin, libopenmpi-dev), iproute2 and ping (emulated cluster)"
 APT_PKGS=(openmpi-bin libopenmpi-dev iproute2 iputils-ping)
 missing=()
@@ -36,8 +42,16 @@ else
 fi
 
 step "build and runtime Python packages (numpy, mpi4py, pytest, pytest-mpi, hypothesis, ...)"
-"$PY" -m pip install -q --disable-pip-version-check numpy mpi4py pytest pytest-mpi pytest-timeout hypothesis \
+"$PY" -m pip install -q --disable-pip-version-check -c "$PIN" numpy mpi4py pytest pytest-mpi pytest-timeout hypothesis \
   cloudpickle psutil pyyaml packaging cffi wheel setuptools matplotlib scikit-learn tqdm
+
+step "frameworks the integration tests run under: accelerate, transformers (torch pinned)"
+# (timm is not installed: it pulls a CUDA torchvision that breaks transformers.)
+if "$PY" -c "import accelerate, transformers" 2>/dev/null; then
+  echo "[setup]   already installed"
+else
+  "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" accelerate transformers
+fi
 
 step "horovod==${HOROVOD_VERSION} with PyTorch, MPI and Gloo"
 if "$PY" - <<PYEOF 2>/dev/null
@@ -72,7 +86,7 @@ print(os.path.dirname(os.path.dirname(slamb_comm.__file__)), os.path.dirname(os.
 if [ "$(installed_from)" = "$HERE $HERE" ]; then
   echo "[setup]   already installed from $HERE"
 else
-  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e "${HERE}[test,horovod]"
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -c "$PIN" -e "${HERE}[test,horovod]"
 fi
 STEP=""
 echo "[setup] done"

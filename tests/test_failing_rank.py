@@ -86,6 +86,7 @@ def test_failing_rank_under_horovodrun(tmp_path, mode):
     assert "Process name: [[" in out and ",1]" in out, out[-3000:]  # mpirun names rank 1
     if mode == "raise":
         assert "failing on purpose" in out
+        assert "uncaught RuntimeError on Horovod rank 1" in out, out[-3000:]
 
 
 NCCL_SCRIPT = """

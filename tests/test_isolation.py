@@ -43,3 +43,38 @@ def test_import_alone_imports_no_framework_nor_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- the torch adapter's rooms
+import pathlib  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+TORCH_PKG = pathlib.Path(__file__).resolve().parents[1] / "adapters" / "torch"
+TORCH_MODULES = sorted(p.stem for p in TORCH_PKG.glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("module", TORCH_MODULES)
+def test_each_torch_adapter_module_imports_alone(module):
+    """Every module of ``slamb_comm.adapters.torch`` imports first, in a fresh interpreter: an
+    import circle between them would fail here for the module that closes it."""
+    pytest.importorskip("torch")
+    code = f"import importlib; importlib.import_module('slamb_comm.adapters.torch.{module}'); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_torch_adapter_modules_are_small_and_import_no_private_names():
+    """No module of the adapters is over 700 lines, and none imports a private name
+    (``_name``) from a sibling module: what is shared between rooms is named as shared."""
+    too_long, private = [], []
+    for path in sorted(TORCH_PKG.glob("*.py")) + sorted(TORCH_PKG.parent.glob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 700:
+            too_long.append(f"{path.name}: {text.count(chr(10))} lines")
+        for m in re.finditer(r"^\s*from \.+(\w*) import ([^\n]+)", text, re.M):
+            names = [n.strip(" ()").split(" as ")[0] for n in m.group(2).split(",")]
+            private += [f"{path.name}: {n} from .{m.group(1)}" for n in names if n.startswith("_")]
+    assert not too_long, too_long
+    assert not private, private

@@ -1,0 +1,55 @@
+"""PyTorch adapter: SLAMB, 1-bit LAMB and sparse top-k exchange for torch, on torch.distributed (torchrun, DDP).
+
+Everything torch-level lives in this package, once, whatever launches the job. This file only
+re-exports; each concern has its own module:
+
+=========================  ===================================================================
+module                     what it holds
+=========================  ===================================================================
+``slamb``                  :class:`SLAMB`, the torch optimizer (alone: P = 1; ratio 1: LAMB)
+``onebit_lamb``            :class:`OneBitLAMB`, 1-bit LAMB as a torch optimizer
+``distributed``            :func:`DistributedOptimizer` (torchrun without DDP) and ``wrap``,
+                           which builds a distributed optimizer on any collectives
+``distributed_slamb``      the distributed SLAMB's hooks, exchange and step
+``distributed_onebit``     the distributed 1-bit LAMB's agreement and step
+``distributed_topk``       top-k gradient exchange with error feedback under any optimizer
+``contract``               Horovod's optimizer contract, shared by the three above
+``ddp_hooks``              :func:`slamb_hook` / :class:`SlambHookState`, :func:`topk_hook` /
+                           :class:`TopKHookState` (DDP communication hooks)
+``collectives``            :class:`TorchTransport` (the core's transport on torch.distributed)
+                           and the distributed optimizers' collectives
+``tensors``                torch tensors as the core's arrays: dtypes, views, CUDA streams
+``params``                 parameter naming, change checks, state mapping, buckets
+=========================  ===================================================================
+
+* :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
+  with P = 1 (with ``ratio=1`` exactly LAMB); wrapped by a ``DistributedOptimizer`` (this
+  package's, or Horovod's in :mod:`slamb_comm.adapters.horovod`) it is SLAMB over all ranks.
+* :class:`OneBitLAMB` -- 1-bit LAMB (docs/onebit_lamb.md), likewise.
+* :class:`TorchTransport` -- slamb_comm's transport protocol on ``torch.distributed``.
+* :func:`DistributedOptimizer` -- for ``torchrun`` without DDP: ``DistributedOptimizer(SLAMB(...))``
+  or ``DistributedOptimizer(torch.optim.Adam(...), compression=slamb_comm.TopK(0.01))``.
+* DDP communication hooks: :func:`slamb_hook` with :class:`SlambHookState` (a stock DDP
+  script changes two lines)::
+
+        opt = slamb_comm.adapters.torch.DistributedOptimizer(
+            slamb_comm.adapters.torch.SLAMB(ddp.parameters(), lr=1e-3, ratio=0.1),
+            named_parameters=ddp.module.named_parameters())
+        ddp.register_comm_hook(slamb_comm.adapters.torch.SlambHookState(opt), slamb_comm.adapters.torch.slamb_hook)
+
+  and :func:`topk_hook` with :class:`TopKHookState`: top-k with error feedback for any optimizer.
+
+Data types: bfloat16 and float16 parameters are updated through float32 state and cast back;
+the exchange is float32 or float16 per ``value_dtype``.
+"""
+
+from slamb_comm.codecs import TopK
+
+from .collectives import TorchTransport
+from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .distributed import DistributedOptimizer
+from .onebit_lamb import OneBitLAMB
+from .slamb import SLAMB
+
+__all__ = ["SLAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState", "slamb_hook",
+           "TopKHookState", "topk_hook"]

@@ -1,0 +1,243 @@
+"""torch.distributed for slamb_comm: the core's transport and the distributed optimizers' collectives.
+
+* :class:`TorchTransport` -- slamb_comm's transport protocol (allreduce, allgather, alltoall,
+  broadcast, barrier) on ``torch.distributed``: gloo on the CPU, NCCL on GPUs, on the default
+  process group or a given one, so the core runs inside any ``torchrun`` job.
+* :class:`TorchCollectives` -- the few named, asynchronous collectives the distributed
+  optimizers of this package are written against; Horovod's counterpart is
+  ``slamb_comm.adapters.horovod._HorovodCollectives``.
+"""
+
+import atexit
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from slamb_comm.transports import check_alltoall, check_buffer
+
+from .tensors import torch_view
+
+__all__ = ["TorchTransport", "TorchCollectives"]
+
+
+_TEARDOWN = []  # one atexit handler per process, registered by the first gloo transport or collectives
+
+
+def _tear_down_gloo_at_exit(group):
+    """When slamb_comm first runs collectives on a gloo group: have the process groups torn down
+    at interpreter exit, if the script has not done so itself.
+
+    Why: gloo's worker threads release the tensors of a collective a moment after it returned.
+    slamb_comm's collectives hand gloo tensors made in Python (every step), whose release needs
+    the GIL; a worker that gets the CPU again only once the interpreter is finalising cannot
+    take it and aborts the process ("terminate called without an active exception", seen here
+    in 2 of 10 to 7 of 15 runs of a script whose last act is a collective, on a loaded machine;
+    0 of 15 with this teardown). ``destroy_process_group()`` at exit joins those threads while
+    the interpreter is still whole. For gloo it is local: no collective, no wait on other ranks.
+    NCCL groups are left alone (their teardown can block on peers)."""
+    if _TEARDOWN or dist.get_backend(group) != "gloo":
+        return
+
+    def teardown():
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+
+    atexit.register(teardown)
+    _TEARDOWN.append(teardown)
+
+
+def _group_size_rank(group):
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return False, 1, 0
+    return True, dist.get_world_size(group), dist.get_rank(group)
+
+
+class TorchTransport:
+    """slamb_comm's transport protocol on ``torch.distributed`` (call ``init_process_group`` first).
+
+    Buffers are NumPy arrays (viewed as CPU tensors, no copy) or CuPy arrays (CUDA tensors
+    through DLPack). A backend that cannot take a buffer's device gets a staged copy: NCCL
+    takes CUDA tensors only, so the core's small host buffers (agreement at construction,
+    status words on the failure path) travel through the current CUDA device; gloo gets a
+    CUDA buffer through host memory.
+
+    Args:
+        group: a process group (default: the default group). A rank outside ``group`` cannot
+            build one (ValueError).
+    """
+
+    name = "torch"
+
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchTransport needs torch.distributed.init_process_group() to have been called")
+        member, self.size, self.rank = _group_size_rank(group)
+        if not member:
+            raise ValueError("this rank is not in the given process group")
+        self.group = group
+        self._nccl = dist.get_backend(group) == "nccl"
+        _tear_down_gloo_at_exit(group)
+
+    def _staged(self, t):
+        if self._nccl and t.device.type != "cuda":
+            return t.to(torch.device("cuda", torch.cuda.current_device()))
+        if not self._nccl and t.device.type == "cuda":
+            return t.cpu()
+        return t
+
+    def allreduce(self, buf):
+        """In place: the element-wise sum over ranks."""
+        check_buffer(buf)
+        t = torch_view(buf)
+        w = self._staged(t)
+        dist.all_reduce(w, group=self.group)
+        if w is not t:
+            t.copy_(w)
+
+    def allgather(self, sendbuf, recvbuf):
+        """``recvbuf[r * n:(r + 1) * n]`` = rank r's ``sendbuf`` (n = ``sendbuf.size``)."""
+        check_buffer(sendbuf)
+        check_buffer(recvbuf)
+        if recvbuf.size != sendbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
+            raise ValueError("allgather needs recvbuf of size * sendbuf.size elements of the same dtype")
+        r = torch_view(recvbuf)
+        w = self._staged(r)
+        dist.all_gather(list(w.reshape(self.size, -1).unbind(0)), self._staged(torch_view(sendbuf)),
+                        group=self.group)
+        if w is not r:
+            r.copy_(w)
+
+    def alltoall(self, sendbuf, recvbuf):
+        """Rank r's ``sendbuf[j * n:(j + 1) * n]`` goes to rank j's ``recvbuf[r * n:(r + 1) * n]``
+        (n = ``sendbuf.size // size``): ``all_to_all_single`` with equal splits."""
+        check_alltoall(sendbuf, recvbuf, self.size)
+        r = torch_view(recvbuf)
+        w = self._staged(r)
+        dist.all_to_all_single(w, self._staged(torch_view(sendbuf)), group=self.group)
+        if w is not r:
+            r.copy_(w)
+
+    def broadcast(self, buf, root=0):
+        """In place: every rank gets ``root``'s buffer (``root``: a rank of the group)."""
+        check_buffer(buf)
+        if not 0 <= int(root) < self.size:
+            raise ValueError(f"root {root} out of range for {self.size} ranks")
+        t = torch_view(buf)
+        w = self._staged(t)
+        src = int(root) if self.group is None else dist.get_global_rank(self.group, int(root))
+        dist.broadcast(w, src=src, group=self.group)
+        if w is not t:
+            t.copy_(w)
+
+    def barrier(self):
+        """Wait until every rank of the group has arrived."""
+        dist.barrier(group=self.group)
+
+
+class TorchCollectives:
+    """The few collectives the distributed optimizers use, on a torch.distributed process group.
+    Horovod's counterpart is ``slamb_comm.adapters.horovod._HorovodCollectives``; both offer:
+    ``member``, ``size``, ``rank``, ``device`` (where flag tensors live), ``allreduce_async`` /
+    ``wait`` (in place; Sum, or Average with pre- and post-scaling), ``allreduce`` (Sum, in
+    place), ``allgather`` (concatenated along dim 0), ``transport()`` (for the core; None outside
+    the group) and ``recognise(opt)``.
+
+    Horovod matches collectives by name; torch.distributed by the order in which each rank
+    issues them. Gradient hooks fire in an order that can differ between ranks (a parameter
+    without a gradient on one rank is launched later, from ``synchronize()``), so outside DDP the
+    asynchronous allreduces are queued and issued at the first ``wait`` (or blocking call), sorted
+    by name: the same order everywhere. Under DDP (``immediate``) they start at once, from DDP's
+    bucket hooks, which run in the same order on every rank; a hook that launches several
+    (``with batch():``) issues them together when it ends.
+
+    Issued together, allreduces of one dtype, device and pre-scale travel as **one** collective
+    (as Horovod's tensor fusion does): concatenated in name order, reduced once, copied back at
+    the first ``wait`` of any of them. SLAMB's per-tensor payloads of a step are one gloo or NCCL
+    call, not one per tensor."""
+
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group() before building a DistributedOptimizer")
+        self.group = group
+        self.member, self.size, self.rank = _group_size_rank(group)
+        nccl = self.member and dist.get_backend(group) == "nccl"
+        if self.member:
+            _tear_down_gloo_at_exit(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.immediate = False
+        self._queued = []
+
+    def _start(self, h):
+        if h["pre"] != 1.0:
+            h["t"].mul_(h["pre"])
+        h["work"] = dist.all_reduce(h["t"], group=self.group, async_op=True)
+
+    def _issue(self):
+        queued, self._queued = self._queued, []
+        groups = {}
+        for h in sorted(queued, key=lambda h: h["name"]):
+            groups.setdefault((h["t"].dtype, h["t"].device, h["pre"]), []).append(h)
+        for hs in groups.values():
+            if len(hs) == 1:
+                self._start(hs[0])
+                continue
+            flat = torch.cat([h["t"].reshape(-1) for h in hs])
+            fused = {"t": flat, "pre": hs[0]["pre"], "members": hs, "copied": False}
+            self._start(fused)
+            for h in hs:
+                h["work"], h["fused"] = fused["work"], fused
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Queue the allreduces launched inside, then issue them together (fused) at the end."""
+        immediate, self.immediate = self.immediate, False
+        try:
+            yield
+        finally:
+            self.immediate = immediate
+            if immediate:
+                self._issue()
+
+    def allreduce_async(self, t, name, average=False, prescale=1.0, postscale=1.0):
+        h = {"t": t, "name": name, "average": average, "pre": prescale, "post": postscale, "work": None}
+        if self.immediate:
+            self._start(h)
+        else:
+            self._queued.append(h)
+        return h
+
+    def wait(self, handle):
+        if handle["work"] is None:
+            self._issue()
+        handle["work"].wait()
+        fused = handle.get("fused")
+        if fused is not None and not fused["copied"]:  # one fused collective: every member's slice back
+            fused["copied"] = True
+            o = 0
+            for h in fused["members"]:
+                n = h["t"].numel()
+                h["t"].view(-1).copy_(fused["t"][o : o + n])
+                o += n
+        t = handle["t"]
+        if handle["average"]:
+            t.div_(self.size)
+        if handle["post"] != 1.0:
+            t.mul_(handle["post"])
+        return t
+
+    def allreduce(self, t, name):
+        self._issue()
+        dist.all_reduce(t, group=self.group)
+
+    def allgather(self, t, name):
+        self._issue()
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return torch.cat(out)
+
+    def transport(self):
+        return TorchTransport(self.group) if self.member else None
+
+    def recognise(self, opt):
+        pass

@@ -1,0 +1,227 @@
+"""Horovod's optimizer contract, shared by the three distributed optimizers.
+
+What a user of ``hvd.DistributedOptimizer`` relies on, written once: the error messages,
+``backward_passes_per_step`` and its per-parameter countdown, ``skip_synchronize()``, the
+refusal of ``add_param_group`` after wrapping, the gradient hooks (registered only on ranks
+inside the process set), and the once-per-step "trainable set grew" flag (one bit per rank,
+plus a few words a caller may sum alongside).
+"""
+
+import contextlib
+import itertools
+
+import torch
+
+from slamb_comm.errors import LayoutError, PeerError
+
+__all__ = ["TOO_MANY", "ZERO_GRAD", "STEP_AFTER_SYNC", "skip_synchronize", "add_param_group_before_wrapping",
+           "set_backward_passes_per_step", "register_hooks", "init_common", "launch_trainable_flag",
+           "wait_trainable_flag", "at_end_of_backward", "grad_norms", "agree_finite", "reset_countdown",
+           "count_backward", "end_of_backward", "agree_step"]
+
+TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+            "Increase backward_passes_per_step to accumulate gradients locally.")
+ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+             "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                   "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                   "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+@contextlib.contextmanager
+def skip_synchronize(self):
+    """``step()`` inside this context does not synchronize (call ``synchronize()`` first)."""
+    self._should_synchronize = False
+    try:
+        yield
+    finally:
+        self._should_synchronize = True
+
+
+def add_param_group_before_wrapping(self, param_group):
+    """Only during construction: the hooks and buckets of a wrapped optimizer are fixed once
+    ``init_common`` has run (it sets ``_coll``)."""
+    if getattr(self, "_coll", None) is not None:
+        base = self.__class__.__mro__[1].__name__
+        raise NotImplementedError(f"add parameter groups to the {base} optimizer before wrapping it in "
+                                  "DistributedOptimizer")
+    super(self.__class__, self).add_param_group(param_group)
+
+
+def set_backward_passes_per_step(self, passes):
+    """Change the number of backward passes accumulated per step (as in Horovod)."""
+    self.backward_passes_per_step = passes
+    for p in self._allreduce_delay:
+        self._allreduce_delay[p] = passes
+
+
+def register_hooks(opt, params=None):
+    """Gradient hooks on ``params`` (default: every trainable parameter), as Horovod registers
+    them: only on ranks inside the process set."""
+    if not hasattr(opt, "_hook_handles"):
+        opt._hook_handles = []
+    if params is None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        opt._requires_update.append(p)
+        opt._allreduce_delay[p] = opt.backward_passes_per_step
+        if opt._member:
+            opt._hook_handles.append(p.register_post_accumulate_grad_hook(opt._make_hook(p)))
+
+
+_OPTIMIZERS = itertools.count()
+
+
+def init_common(opt, coll):
+    """What the distributed optimizers share: the framework's collectives, membership, the flag,
+    the backward-pass countdown and the end-of-backward agreement's state."""
+    opt._coll = coll
+    opt._member = coll.member
+    coll.recognise(opt)
+    opt._flag = None  # this step's "trainable set grew" allreduce: None, (handle, buf), or False (consumed)
+    opt._flag_name = f"slamb_comm.trainable.{next(_OPTIMIZERS)}"
+    opt._requires_update = []
+    opt._allreduce_delay = {}
+    opt._fresh = True  # every countdown is full (nothing counted since the last reset)
+    opt._pending = False  # gradients were counted and the step has not consumed them
+    opt._in_backward = False  # between the first hook of a backward pass and its end
+    opt._callback_queued = False
+    opt._agreed = False  # this step's agreement (at the end of the backward pass) is done
+    opt._agreements = itertools.count()  # numbers the agreement's collectives (Horovod matches names)
+
+
+def reset_countdown(opt):
+    """Every parameter's backward-pass countdown full again (after a step, a synchronize(), or a
+    step that every rank will skip)."""
+    for p in opt._allreduce_delay:
+        opt._allreduce_delay[p] = opt.backward_passes_per_step
+    opt._fresh = True
+    opt._pending = False
+
+
+def count_backward(opt, p):
+    """The gradient hook of the 1-bit LAMB and top-k optimizers: Horovod's countdown of backward
+    passes; when one completes, the agreement (:func:`agree_step`) runs at the end of the
+    backward pass. A step that was agreed but never taken (a GradScaler skipped it) is dropped
+    at the next backward pass."""
+    if not opt._in_backward:
+        opt._in_backward = True
+        if opt._agreed and opt._fresh:
+            opt._agreed = False
+    if opt._allreduce_delay[p] <= 0:
+        raise AssertionError(TOO_MANY)
+    opt._allreduce_delay[p] -= 1
+    opt._fresh = False
+    opt._pending = True
+    if opt._allreduce_delay[p] == 0:
+        at_end_of_backward(opt)
+
+
+def end_of_backward(opt):
+    """The end-of-backward callback of the 1-bit LAMB and top-k optimizers (a method of theirs)."""
+    opt._callback_queued = False
+    opt._in_backward = False
+    agree_step(opt)
+
+
+def agree_step(opt):
+    """The agreement of the 1-bit LAMB and top-k optimizers, once per step, before the gradients
+    are exchanged: if some rank's gradient is not finite, every rank's gradients become NaN (so
+    every rank's GradScaler skips, and a ``step()`` skips on every rank) and the countdown
+    restarts. Collective: at the end of the backward pass, or at ``synchronize()`` if no
+    backward pass ran on this rank."""
+    if agree_finite(opt, opt._requires_update, opt._agreements):
+        reset_countdown(opt)
+    opt._agreed = True
+
+
+def launch_trainable_flag(self, extra=None):
+    """Once per step (from the first gradient hook, or from synchronize()): how many ranks have a
+    parameter that became trainable after the optimizer was built (``requires_grad`` set later).
+    One bit per rank (P / 31 int32 words, summed: distinct bits add up to their OR), asynchronous,
+    so Horovod fuses it with the step's other tensors. ``extra``: further int32 values to sum
+    alongside (their sums are left in ``self._flag_extra``); by default ``self._flag_words()``."""
+    if self._flag is not None:
+        return
+    if extra is None:
+        extra = self._flag_words()
+    known = self._known()
+    self._grown = [p for p in self._all_params if p.requires_grad and p not in known]
+    nw = (self._coll.size + 30) // 31
+    buf = torch.zeros(nw + len(extra), dtype=torch.int32, device=self._coll.device)
+    if len(extra):
+        buf[nw:] = torch.tensor(list(extra), dtype=torch.int32)
+    if self._grown:
+        r = self._coll.rank
+        buf[r // 31] = 1 << (r % 31)
+    handle = self._coll.allreduce_async(buf, self._flag_name)
+    self._flag = (handle, buf)
+
+
+def wait_trainable_flag(self):
+    """The parameters to adopt at this step: those that became trainable, when every rank has them;
+    [] when no rank has. If only some ranks do, the caller's ``abandon()`` runs and every rank
+    raises: LayoutError where the set grew, PeerError elsewhere."""
+    launch_trainable_flag(self)
+    handle, _ = self._flag
+    self._flag = False
+    words = self._coll.wait(handle).tolist()
+    self._flag_extra = words[(self._coll.size + 30) // 31:]
+    ranks = [r for r in range(self._coll.size) if words[r // 31] >> (r % 31) & 1]
+    if not ranks:
+        return []
+    if len(ranks) == self._coll.size:
+        return self._grown
+    self._abandon()
+    if self._grown:
+        raise LayoutError(f"parameter(s) {[self._names.get(id(p), '?') for p in self._grown][:5]} became trainable "
+                          f"(requires_grad) after the optimizer was built on rank(s) {ranks} but not on every rank; "
+                          "set requires_grad alike everywhere; the step was abandoned on every rank")
+    raise PeerError(f"rank(s) {ranks} have parameters that became trainable after the optimizer was built, the "
+                    "others do not (see their error); the step was abandoned on every rank", ranks)
+
+
+def at_end_of_backward(opt):
+    """Have ``opt._end_of_backward()`` run once when the running backward pass ends (a callback
+    of torch's autograd engine, as DDP's reducer uses): queued from the first gradient hook of
+    a backward pass whose countdown completes, so it runs on every rank whose backward pass
+    produced gradients, before ``backward()`` returns."""
+    if not opt._callback_queued:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(opt._end_of_backward)
+        except RuntimeError:  # not inside a backward pass (a hook called by hand): step() agrees instead
+            return
+        opt._callback_queued = True
+
+
+def grad_norms(params, ord=2):
+    """Per parameter of ``params`` that has a gradient, the norm of its gradient (float32, one
+    multi-tensor ``_foreach_norm``, on the gradients' device; None if no parameter has one)."""
+    grads = [p.grad.coalesce()._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    return torch.stack([n.float() for n in torch._foreach_norm(grads, ord)])
+
+
+def agree_finite(opt, params, counter, norms=None):
+    """One collective: which gradients of ``params`` hold a NaN or Inf on some rank. Each such
+    gradient becomes NaN on every rank (as Horovod's averaged gradient would), so that every
+    rank's AMP ``GradScaler`` -- or any finiteness check -- sees the same and skips the step
+    alike; returns whether there was any.
+
+    ``norms``: this rank's :func:`grad_norms` of ``params`` if the caller has them (a norm is
+    finite only if the gradient is; the default max-norm cannot overflow, an L2 norm may). One
+    allreduce of one int32 per parameter and one host read; ``counter`` numbers the collective
+    (Horovod matches collectives by name)."""
+    have = [i for i, p in enumerate(params) if p.grad is not None]
+    bad = torch.zeros(len(params), dtype=torch.int32, device=opt._coll.device)
+    if have:
+        norms = grad_norms(params, float("inf")) if norms is None else norms
+        bad[torch.tensor(have, device=bad.device)] = (~torch.isfinite(norms)).to(device=bad.device, dtype=torch.int32)
+    opt._coll.allreduce(bad, f"slamb_comm.finite.{next(counter)}")
+    which = bad.nonzero().reshape(-1).tolist()  # the one host read
+    with torch.no_grad():
+        for i in which:
+            if params[i].grad is not None:
+                params[i].grad.fill_(float("nan"))
+    return bool(which)

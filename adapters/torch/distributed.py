@@ -1,0 +1,93 @@
+"""The distributed optimizers' factory: :func:`wrap` and :func:`DistributedOptimizer`.
+
+:func:`DistributedOptimizer` is the torch.distributed front door; :func:`wrap`, on any
+framework's collectives, picks the methods (:mod:`.distributed_slamb`, :mod:`.distributed_onebit`,
+:mod:`.distributed_topk`) and builds the class with ``type(name, (optimizer.__class__,),
+...)``, as Horovod does; :func:`slamb_comm.adapters.horovod.DistributedOptimizer` calls it
+with Horovod's collectives.
+"""
+
+from slamb_comm.codecs import TopK
+
+from .collectives import TorchCollectives
+from .distributed_onebit import DistributedOneBit
+from .distributed_slamb import DistributedSlamb
+from .distributed_topk import DistributedTopK
+from .onebit_lamb import OneBitLAMB
+from .params import check_named_parameters
+from .slamb import SLAMB
+
+__all__ = ["wrap", "DistributedOptimizer"]
+
+
+def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=False, gradient_predivide_factor=1.0,
+         grad_scaler=None):
+    """The distributed optimizer around ``optimizer`` on the collectives ``coll``: a class built
+    with ``type(name, (optimizer.__class__,), ...)`` sharing the optimizer's ``param_groups``."""
+    slamb, onebit = isinstance(optimizer, SLAMB), isinstance(optimizer, OneBitLAMB)
+    mixin = DistributedSlamb if slamb else DistributedOneBit if onebit else DistributedTopK
+    if grad_scaler is not None and mixin is not DistributedTopK:
+        raise ValueError(f"grad_scaler= is for the top-k exchange's error buffers; {type(optimizer).__name__} "
+                         "exchanges the unscaled gradients by itself (pass no grad_scaler)")
+    extra = {"grad_scaler": grad_scaler} if mixin is DistributedTopK else {}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(mixin.__dict__))
+    dist_opt = cls(optimizer.param_groups, names, compression, backward_passes_per_step, coll, sum_op,
+                   gradient_predivide_factor, **extra)
+    if (slamb or onebit) and any(e.rule.t > 0 for e in (optimizer._ensure_engines() if slamb else optimizer._engines)):
+        dist_opt.load_state_dict(optimizer.state_dict())  # keep what the optimizer had (e.g. a loaded checkpoint)
+    return dist_opt
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         process_group=None, grad_scaler=None):
+    """SLAMB, 1-bit LAMB or top-k exchange over ``torch.distributed``, in the form of Horovod's optimizer.
+
+    For ``torchrun`` jobs that do not use DDP (a process group and your own loop), and together
+    with :func:`slamb_hook` for DDP. Call ``torch.distributed.init_process_group`` first.
+
+    * ``optimizer`` is a :class:`SLAMB`: SLAMB over the group -- each parameter's gradient hook
+      (or, under DDP, :func:`slamb_hook`) updates its local moments and starts the asynchronous
+      average of its momentum on the shared mask M_t; ``step()`` waits and applies the update
+      and the periodic parameter sync.
+    * ``optimizer`` is a :class:`OneBitLAMB`: 1-bit LAMB over the group -- at ``step()`` the
+      dense gradient allreduce of the warm-up, then the 1-bit momentum exchange, and the update.
+    * ``compression`` is a :class:`slamb_comm.TopK`: any optimizer; at ``step()`` (or
+      ``synchronize()``) the gradients go through the error-feedback top-k exchange of
+      ALGORITHM.md section 2 and the optimizer steps on their mean.
+
+    Otherwise ValueError: for dense gradient averaging use ``DistributedDataParallel``.
+    ``synchronize()`` / ``skip_synchronize()`` (gradient clipping), ``backward_passes_per_step``,
+    ``zero_grad()``, checkpoints (``state_dict``), a NaN on one rank (the step is skipped on
+    every rank) and process groups behave as in :mod:`slamb_comm.adapters.horovod`.
+
+    Args:
+        optimizer: a :class:`SLAMB` or :class:`OneBitLAMB`, or any torch optimizer with
+            ``compression=TopK(...)``.
+        named_parameters: ``(name, parameter)`` pairs naming every parameter (for errors and
+            checkpoints); default names ``allreduce.noname.<group>.<index>``.
+        compression: ``None`` or a :class:`slamb_comm.TopK`.
+        backward_passes_per_step: gradients are accumulated locally over this many backward
+            passes before the exchange.
+        process_group: the group to exchange in (default: all ranks). Ranks outside it
+            optimise alone, as Horovod's non-members do.
+        grad_scaler: with ``compression=TopK(...)`` and an AMP ``GradScaler`` whose gradients
+            are exchanged before ``unscale_`` (Horovod's idiom: ``synchronize()``, then
+            ``scaler.unscale_``), the scaler: the error buffers are then kept in unscaled units,
+            so a change of the scale (halved after a skipped step, doubled on growth) carries
+            them over exactly. Not needed when ``step()`` exchanges (after ``unscale_``).
+    """
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    slamb = isinstance(optimizer, (SLAMB, OneBitLAMB))
+    topk = isinstance(compression, TopK)
+    if slamb and compression is not None:
+        raise ValueError(f"{type(optimizer).__name__} compresses momenta itself: pass no compression "
+                         "(use SLAMB(mask='topk') for a top-k mask)")
+    if not slamb and not topk:
+        raise ValueError("DistributedOptimizer needs a SLAMB or OneBitLAMB optimizer or "
+                         f"compression=slamb_comm.TopK(...); got {type(optimizer).__name__} with "
+                         f"compression={compression!r}. For dense gradient "
+                         "averaging use torch.nn.parallel.DistributedDataParallel")
+    names = check_named_parameters(named_parameters, optimizer.param_groups)
+    return wrap(optimizer, names, compression, backward_passes_per_step, TorchCollectives(process_group),
+                grad_scaler=grad_scaler)

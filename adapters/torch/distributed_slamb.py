@@ -1,0 +1,580 @@
+"""Distributed SLAMB: the methods of the class that ``DistributedOptimizer(SLAMB(...))`` builds.
+
+Launches each parameter's masked momentum exchange from its gradient hook (or from
+:func:`slamb_comm.adapters.torch.slamb_hook` under DDP), finishes it in ``synchronize()``,
+redoes it when a recipe changed the gradients, and applies the update in ``step()``.
+Written against the collectives interface of :mod:`.collectives` (Horovod's in
+:mod:`slamb_comm.adapters.horovod`).
+"""
+
+import itertools
+import logging
+import math
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from slamb_comm import arrays as _arr
+from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerError
+from slamb_comm.stats import Traffic, allreduce_wire
+
+from . import contract
+from .params import param_changed, params_changed
+from .tensors import Grads, Params, cuda_scope, torch_dtype
+
+__all__ = ["DistributedSlamb"]
+
+_log = logging.getLogger("slamb_comm")
+
+
+class DistributedSlamb(torch.optim.Optimizer):
+    """Methods of the class :func:`DistributedOptimizer` builds around a :class:`SLAMB`.
+
+    A step has two collective points, the same on every rank:
+
+    * **The agreement, at the end of the backward pass** (a callback of torch's autograd
+      engine, as DDP's own; or ``synchronize()``, or ``step()`` when no backward ran). In
+      *hooks mode* each parameter's gradient hook (after ``backward_passes_per_step`` passes;
+      under DDP, :func:`slamb_hook` per bucket) has updated that parameter's local moments and
+      launched the asynchronous Average of its momentum on the shared mask M_t, overlapping
+      the rest of the backward pass; the agreement submits zeros for parameters that got no
+      gradient on this rank (so no rank waits) and finishes the exchange. In *deferred mode*
+      it is one small allreduce saying whether some rank's gradient is not finite. Either
+      way, when some rank's gradient is not finite every rank's gradients become NaN before
+      ``backward()`` returns, so every rank's AMP ``GradScaler`` skips the step and halves
+      its scale alike, and ``step()`` skips (or raises) on every rank.
+    * **The step** uses the gradients as they are when ``step()`` is called. What the user
+      did in between (``GradScaler.unscale_``, ``clip_grad_norm_``, any in-place change) is
+      seen from the gradients' version counters: in hooks mode a one-word allreduce says
+      whether any rank changed a gradient since the agreement; if so every rank recomputes
+      its moments from the gradients as they are and redoes the exchange, and the optimizer
+      switches to deferred mode. In deferred mode the exchange is launched from ``step()``
+      itself (no overlap with the backward pass, but one exchange per step), and a step at
+      which no rank changed its gradients since the agreement switches back to hooks mode.
+
+    ``step(closure)`` calls the closure first (under ``torch.enable_grad()``), as every
+    ``torch.optim`` optimizer does, and steps on the gradients it leaves. Unlike Horovod,
+    ``p.grad`` is never replaced by a mean: SLAMB exchanges momenta, each rank's gradients
+    stay local (clipping clips the local gradient).
+    """
+
+    def __init__(self, params, names, compression, backward_passes_per_step, coll, sum_op=False,
+                 gradient_predivide_factor=1.0):
+        # A rank outside the process set optimises alone (P = 1), as Horovod's non-members do.
+        self._slamb_transport = coll.transport()
+        self._slamb_names = self._names = names
+        self._slamb_defer_build = True
+        super(self.__class__, self).__init__(params)
+        contract.init_common(self, coll)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self._options_agreed = False  # update options are checked before the first step (after a broadcast)
+        self._ddp = False  # True once a SlambHookState took this optimizer (DDP launches the exchange)
+        self._ddp_groups = {}  # DDP bucket index -> its parameters, as DDP's hook last handed them
+        self._build_engines()
+        self._index_params()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._nonfinite = None  # the agreed NonFiniteError of this step, if some rank's gradient was not finite
+        self._error = None  # an error of the end-of-backward agreement, raised at the next step()/synchronize()
+        self._in_hooks = True  # hooks mode: the exchange starts in the gradient hooks; else from step()
+        self._reference = {}  # parameter -> (gradient, version) at the agreement
+        self._norms = None  # and the gradients' norms then
+        self._layout_problem = None  # this rank's LayoutError of the open step, sent as a NaN status
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._exchanges = itertools.count()
+        contract.register_hooks(self)
+
+    def _known(self):
+        return self._where
+
+    def _flag_words(self):
+        """Sent with the per-step flag: whether this rank's groups ask for a new ratio, and (in
+        deferred mode, where the flag starts in ``step()``) whether this rank changed a gradient
+        since the agreement."""
+        def asks(e):
+            try:
+                return self._requested_ratio(e) != e.comm.ratio
+            except ConfigError:
+                return True  # groups of a bucket disagree: the change fails collectively, with this error
+        return [int(any(asks(e) for e in self._engines)), int(not self._in_hooks and self._grads_changed())]
+
+    def _change_ratios(self):
+        """Some rank asked for a new ratio: every rank moves every bucket to its groups' ratio,
+        collectively (each bucket one 3-word agreement); if the ranks disagree, ConfigError on
+        those that changed it, PeerError on the others, and nothing changes."""
+        for e in self._engines:
+            self._set_ratio(e)
+
+    add_param_group = contract.add_param_group_before_wrapping
+
+    # -------------------------------------------------------------- hooks
+    set_backward_passes_per_step = contract.set_backward_passes_per_step
+
+    def _make_hook(self, p):
+        def hook(param):
+            if self._ddp:  # slamb_hook launches the exchange from DDP's buckets instead
+                return
+            self._backward_begins()
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(contract.TOO_MANY)
+            self._allreduce_delay[p] -= 1
+            self._fresh = False
+            if self._allreduce_delay[p] == 0:
+                contract.at_end_of_backward(self)
+                if self._in_hooks:
+                    self._launch(p)
+        return hook
+
+    def _backward_begins(self):
+        """At the first gradient hook (or DDP bucket) of a backward pass: an error of the last
+        agreement not raised yet is raised now; a step that was agreed but not taken (a
+        GradScaler skipped it; or ``synchronize()``, then one more backward pass) is dropped --
+        it changed no state -- and this backward pass starts the step afresh."""
+        if self._in_backward:
+            return
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        self._in_backward = True
+        if self._agreed and (self._ddp or self._fresh):
+            self._abandon()
+            self._agreed = False
+        self._nonfinite = None
+        self._synchronized = False
+
+    def _end_of_backward(self):
+        """Queued by the first hook of a backward pass whose countdown completes: runs when the
+        backward pass ends. Under DDP once more, so as to run after DDP's own end-of-backward
+        callback, which copies the buckets into ``p.grad``."""
+        self._callback_queued = False
+        self._in_backward = False
+        if self._ddp:
+            torch.autograd.Variable._execution_engine.queue_callback(self._agree_quietly)
+        else:
+            self._agree_quietly()
+
+    def _agree_quietly(self):
+        """The agreement, from the autograd engine: an error is kept for the next step()."""
+        try:
+            self._agree()
+        except Exception as err:  # noqa: BLE001 -- raised on every rank alike, from step()/synchronize()
+            self._error = err
+
+    def _agree(self):
+        """This step's agreement (collective): finish the exchange launched from the hooks, or,
+        in deferred mode, agree on the gradients' finiteness; then note the gradients as the
+        step may use them (their versions and norms)."""
+        norms = None
+        if self._in_hooks:
+            self._launch_missing()  # a parameter without a gradient takes part with zeros (its status says so)
+            self._finish()
+        else:
+            norms = contract.grad_norms(self._requires_update)  # L2: overflows where v would (a bad gradient)
+            if contract.agree_finite(self, self._requires_update, self._agreements, norms):
+                names = [self._names.get(id(p), "?") for p in self._requires_update]
+                self._abort()
+                self._nonfinite = NonFiniteError(
+                    "SLAMB: a non-finite gradient (NaN/Inf) on some rank; every rank's gradients were set to NaN "
+                    "and the step is skipped on every rank, with no state changed", (), names)
+        self._reference = {p: _version(p) for p in self._requires_update}
+        self._norms = contract.grad_norms(self._requires_update) if norms is None else norms
+        self._agreed = True
+
+    def _grads_changed(self):
+        """Whether this rank changed a gradient since the agreement. In-place changes through
+        torch's operators bump a gradient's version counter (``clip_grad_norm_`` does, even when
+        it leaves the values as they are); ``GradScaler.unscale_`` and writes through ``.data``
+        do not, so the gradients' L2 norms are compared as well (one read of every gradient)."""
+        if any(not _same(_version(p), self._reference.get(p)) for p in self._requires_update):
+            return True
+        norms = contract.grad_norms(self._requires_update)
+        if norms is None or self._norms is None:
+            return (norms is None) != (self._norms is None)
+        return not torch.equal(norms, self._norms)
+
+    def _raise_pending(self):
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _begin(self, e):
+        if isinstance(self._engines, str):
+            raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
+        contract.launch_trainable_flag(self)
+        if self._layout_problem is None:
+            self._layout_problem = params_changed(self, self._all_params)
+        try:
+            self._pull(e)
+        except ConfigError as err:  # an option fixed at construction changed on this rank: send it as a status
+            if self._layout_problem is None:
+                self._layout_problem = err
+        e.rule.begin_step()
+        e.open = True
+        e.launched = {}
+        e.encode_s = 0.0
+        e.payload = 0
+        e.means = None
+        e.counts = None if e.key[3][1] == "topk" else e.rule.counts()
+        e.wire = e.comm.value_dtype
+
+    def _launch_once(self, p):
+        """``_launch(p)`` unless this step already launched it (DDP's hook, once per bucket)."""
+        e, _ = self._where[p]
+        if not (e.open and p in e.launched):
+            self._launch(p)
+
+    def _launch(self, p, redo=False):
+        """Local moments of ``p`` from its gradient, and (except for the topk mask) the async
+        Average of its momentum entries on M_t."""
+        e, i = self._where[p]
+        if not e.open:
+            self._begin(e)
+        t0 = time.perf_counter()
+        if self._layout_problem is None:
+            self._layout_problem = param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
+        changed = self._layout_problem is not None
+        if not changed:
+            g, _ = self._grad_array(p, e)
+        if e.counts is None:  # topk mask: pick now, exchange fused after every gradient is in
+            if not changed:
+                with cuda_scope(p.device):
+                    e.rule.accumulate(i, g)
+            e.launched[p] = None
+            return
+        buf = torch.empty(e.counts[i] + 1, dtype=torch_dtype(e.wire), device=p.device)
+        # Status slot: 0, or -1 where this rank has no gradient for p (the Average is then -1 only
+        # if no rank has one: p is left as it is), or inf if this rank's gradient is not finite (or
+        # its square would overflow v), computed on the device without a host read; NaN if a
+        # parameter of this rank no longer fits its bucket (it still takes part, with zeros). The
+        # Average spreads inf/NaN.
+        if changed:
+            buf.zero_()[-1] = math.nan
+        else:
+            fine = -1.0 if p.grad is None else 0.0
+            with cuda_scope(p.device):
+                bad = e.rule.accumulate(i, g, out=_arr.as_array(buf)[:-1])  # this rank's new momentum on M_t
+            if isinstance(bad, (bool, np.bool_)):
+                buf[-1] = math.inf if bad else fine
+            else:
+                buf[-1:].copy_(torch.where(torch.from_dlpack(bad), math.inf, fine).reshape(1))
+        pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        name = f"slamb_comm.momentum.{e.names[i]}" + (".redo" if redo else "")
+        handle = self._coll.allreduce_async(buf, name, average=True, prescale=pre, postscale=post)
+        e.launched[p] = (handle, buf)
+        e.payload += buf.numel() * buf.element_size()
+        e.encode_s += time.perf_counter() - t0
+
+    def _finish_exchange(self):
+        """Wait for every launched exchange and write the means back.
+
+        Non-finite values on any rank (seen by every rank alike, through the status slot or
+        the averaged values) abandon the step on every rank, fill the affected gradients
+        with NaN -- as Horovod's averaged gradients would be -- so that an AMP GradScaler
+        skips the step on every rank, and make the next ``step()`` raise NonFiniteError.
+        A parameter that no longer fits its bucket on some rank (NaN status slot, or a
+        rejected fused exchange) abandons the step too, and raises on every rank at once.
+        """
+        t1 = time.perf_counter()
+        flags, results, failed, changed = [], [], [], None
+        absent = -1.0 + 0.5 / self._coll.size  # an averaged status at most this: no rank had a gradient
+        for e in self._engines:
+            e.skip = set()
+            if e.open and e.counts is not None:
+                for p, (handle, buf) in e.launched.items():
+                    out = self._coll.wait(handle)
+                    results.append((e, p, out))
+                    flags.append(torch.isfinite(out).all())
+        for e in self._engines:
+            if e.open and e.counts is None:  # topk mask: the core's fused exchange, after all moments
+                try:
+                    with cuda_scope(e.params[0].device):
+                        # which parameters have a gradient on some rank (every rank takes part)
+                        have = torch.tensor([p.grad is not None for p in e.params], dtype=torch.int32,
+                                            device=self._coll.device)
+                        self._coll.allreduce(have, f"slamb_comm.have.{next(self._exchanges)}")
+                        e.skip = {i for i, c in enumerate(have.tolist()) if c == 0}
+                        if self._layout_problem is not None:  # input the core rejects, collectively
+                            e.comm.masked_allreduce([], e.rule.t + 1)
+                        else:
+                            e.rule.exchange(Grads(e))
+                except NonFiniteError as err:  # raised on every rank; the core abandoned the step
+                    e.open = False
+                    failed.append((e, err))
+                except (LayoutError, PeerError) as err:  # also raised on every rank
+                    changed = err
+                    break
+        t2 = time.perf_counter()
+        bad, gone = [], []
+        if flags:  # one host read: every exchange's finiteness, and which parameters no rank had a gradient for
+            words = torch.stack([torch.stack(flags).all()] + [out[-1] <= absent for _, _, out in results]).tolist()
+            finite, gone = words[0], words[1:]
+        if flags and not finite:
+            bad = [(e, p) for e, p, out in results if not bool(torch.isfinite(out).all())]
+            if changed is None and any(bool(torch.isnan(out[-1])) for _, _, out in results):
+                changed = True
+        if changed is not None:
+            self._raise_changed(None if changed is True else changed)
+        if bad or failed:
+            bad += [(e, p) for e, _ in failed for p in e.params]
+            names = [e.names[e.index[p]] for e, p in bad]
+            self._abort()
+            with torch.no_grad():
+                for _, p in bad:
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+            self._nonfinite = NonFiniteError(
+                f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
+                "the step was abandoned on every rank and no state was changed", (), names)
+            return
+        for (e, p, _), nobody in zip(results, gone):
+            if nobody:
+                e.skip.add(e.index[p])
+        for e, p, out in results:  # the means, applied by step() (m is not touched before then)
+            if e.means is None:
+                e.means = [None] * len(e.params)
+            e.means[e.index[p]] = _arr.as_array(out[:-1])
+        t3 = time.perf_counter()
+        for e in self._engines:
+            if e.open and e.counts is not None:
+                lay = e.comm.layout
+                dense = lay.total * lay.dtype.itemsize
+                sent = sum(e.counts)
+                e.comm.stats.record("masked_allreduce", Traffic(
+                    1, e.payload, allreduce_wire(e.payload, e.comm.size), dense, allreduce_wire(dense, e.comm.size),
+                    sent, lay.total, e.encode_s, t2 - t1, t3 - t2))
+                e.launched = {}
+
+    def _raise_changed(self, peer_err):
+        """On every rank alike: abandon the step; this rank's error (LayoutError: a parameter
+        changed; ConfigError: a fixed option changed) if it has one, else a PeerError naming the
+        ranks that do (``peer_err``, or asked for here)."""
+        problem = self._layout_problem
+        self._abort()
+        if peer_err is None:  # which ranks: one more collective, on this failure path only
+            flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=self._coll.device)
+            codes = self._coll.allgather(flag, f"slamb_comm.changed.{next(self._exchanges)}")
+            ranks = [r for r, c in enumerate(codes.tolist()) if c]
+            peer_err = PeerError(f"SLAMB momentum exchange: rank(s) {ranks} have a parameter or an option that "
+                                 "changed after the optimizer was built (see their error); the step was abandoned "
+                                 "on every rank and nothing was changed", ranks)
+        raise problem if problem is not None else peer_err
+
+    def _abandon(self):
+        """Wait for whatever this step launched (Horovod needs every handle collected), then abort."""
+        for e in self._engines:
+            for launched in e.launched.values():
+                if launched is not None:
+                    self._coll.wait(launched[0])
+        self._abort()
+
+    def _abort(self):
+        if self._flag:
+            self._coll.wait(self._flag[0])
+        self._flag = None
+        for e in self._engines:
+            if e.open:
+                e.rule.abort_step()
+                e.open = False
+                e.launched = {}
+                e.means = None
+        self._layout_problem = None
+        contract.reset_countdown(self)
+        self._synchronized = False
+
+    def synchronize(self):
+        """Make this step's collective decisions now, if the end of the backward pass did not
+        (every rank submits every tensor): after it, a non-finite gradient on any rank has made
+        every rank's gradients NaN. In hooks mode the exchange is finished here; in deferred
+        mode it waits for ``step()``, which uses the gradients as they are then (clip them in
+        between, under ``skip_synchronize()``, as with Horovod).
+
+        Outside the process set there is nothing to exchange (the rank optimises alone)."""
+        if not self._member:
+            self._synchronized = True
+            return
+        self._raise_pending()
+        if not self._agreed:
+            self._agree()
+        contract.reset_countdown(self)
+        self._synchronized = True
+
+    def _finish(self):
+        """Wait for the step's flag and exchange; first redo the exchange if the flag says every
+        rank unfroze parameters or some rank asks for a new ratio."""
+        grown = contract.wait_trainable_flag(self)
+        rerate = self._flag_extra[0] > 0  # some rank's groups ask for a new ratio (a schedule)
+        if grown or rerate:  # both collective decisions: abandon this exchange and redo it after
+            self._abandon()
+            if rerate:  # every rank alike, from this step on (or an error on every rank)
+                self._change_ratios()
+            if grown:  # every rank unfroze the same parameters: adopt them (collectively)
+                self._build_engines()  # keeps the state; the new parameters get a bucket of their own, at step 0
+                self._index_params()
+                contract.register_hooks(self, grown)
+                self._options_agreed = False
+            self._flag = False
+            self._launch_missing()
+        self._finish_exchange()
+        if not self._options_agreed:  # the update options, as broadcast_optimizer_state left them
+            try:
+                for e in self._engines:
+                    e.rule.agree_options(*self._lr_wd(e))
+            except ConfigError:
+                self._abort()
+                raise
+            self._options_agreed = True
+        self._flag = None
+
+    def _index_params(self):
+        """Where each parameter is (its engine and index there), and its place in engine order
+        (the same on every rank)."""
+        self._where = {p: (e, i) for e in self._engines for i, p in enumerate(e.params)}
+        self._order = {p: k for k, p in enumerate(self._where)}
+
+    def _launch_missing(self):
+        missing = [p for p in self._requires_update
+                   if not (self._where[p][0].open and p in self._where[p][0].launched)]
+        self._launch_all(missing)  # a parameter without a gradient takes part with zeros (its status says so)
+
+    def _launch_all(self, params, redo=False):
+        """Launch the exchanges of ``params`` from ``step()``: under DDP bucket by bucket, as DDP's
+        hooks group them (one fused collective per bucket, as in hooks mode, so that the sums are
+        the same bits), else all together (one fused collective)."""
+        left = list(params)
+        wanted = set(left)
+        groups = [[p for p in self._ddp_groups[k] if p in wanted] for k in sorted(self._ddp_groups)]
+        grouped = {p for g in groups for p in g}
+        groups.append([p for p in left if p not in grouped])
+        for group in groups:
+            with self._coll.batch():
+                for p in group:
+                    self._launch(p, redo=redo)
+
+    skip_synchronize = contract.skip_synchronize
+
+    def _exchange_now(self):
+        """The step's exchange, launched here from the gradients as they are (hooks mode after
+        a change of the gradients: a redo; deferred mode: the only exchange of the step)."""
+        if self._in_hooks:  # a redo: the first exchange's values are dropped, its moments recomputed
+            for e in self._engines:
+                e.launched = {}
+                e.payload = 0
+            self._launch_all(self._requires_update, redo=True)
+            self._finish_exchange()
+            self._in_hooks = False  # the gradients change after the backward pass: exchange from step()
+            return
+        self._launch_missing()
+        self._finish()
+        if self._nonfinite is None and self._flag_extra[1] == 0:
+            self._in_hooks = True  # no rank changed its gradients after the agreement: back to the hooks
+
+    def _changed_anywhere(self):
+        """Hooks mode: whether any rank changed a gradient since the agreement (one-word allreduce)."""
+        flag = torch.tensor([int(self._grads_changed())], dtype=torch.int32, device=self._coll.device)
+        self._coll.allreduce(flag, f"slamb_comm.regrad.{next(self._exchanges)}")
+        return int(flag[0]) > 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Call ``closure`` (if any) first, then exchange the momentum of the gradients as they
+        are now and apply the SLAMB update.
+
+        Outside the process set: the single-process SLAMB step (P = 1), as Horovod's non-members
+        step their optimizer on the local gradient."""
+        if not self._member:
+            return super(self.__class__, self).step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._raise_pending()
+        if self._should_synchronize and self._synchronized:
+            warnings.warn(contract.STEP_AFTER_SYNC)
+        self._synchronized = False
+        try:
+            if not self._agreed:
+                self._agree()
+            if self._nonfinite is None and (not self._in_hooks or self._changed_anywhere()):
+                self._exchange_now()
+        finally:
+            self._agreed = False
+            self._reference = {}
+        if self._nonfinite is not None:
+            err, self._nonfinite = self._nonfinite, None
+            contract.reset_countdown(self)
+            if any(e.rule.on_nonfinite == "raise" for e in self._engines):
+                raise err
+            for e in self._engines:
+                e.rule.skipped_steps += 1
+            _log.warning("slamb_comm: step skipped on every rank: %s", err)
+            return loss
+        for e in self._engines:
+            if not e.open:
+                continue
+            e.open = False
+            if len(e.skip) == len(e.params):  # no gradient anywhere in the bucket: no step at all
+                e.rule.abort_step()
+                e.means = None
+                continue
+            lr, wd = self._lr_wd(e)
+            x = Params(e)
+            with cuda_scope(e.params[0].device):
+                e.rule.apply(x, Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written, skip=e.skip)
+            e.means = None
+            self._publish(e)
+        contract.reset_countdown(self)
+        return loss
+
+    def _ddp_bucket(self, bucket):
+        """:func:`slamb_hook`'s work for one DDP bucket: in hooks mode, launch the exchange of its
+        parameters; the agreement follows at the end of the backward pass."""
+        self._backward_begins()
+        contract.at_end_of_backward(self)
+        group = [p for p in bucket.parameters() if p in self._where]
+        if group:  # keyed as DDP numbers its buckets (the same on every rank)
+            key = bucket.index() if hasattr(bucket, "index") else min(self._order[p] for p in group)
+            old = self._ddp_groups.get(key)
+            if old is None or [id(p) for p in old] != [id(p) for p in group]:  # new, or DDP rebuilt its buckets
+                mine = {id(p) for p in group}
+                self._ddp_groups = {k: [p for p in g if id(p) not in mine] for k, g in self._ddp_groups.items()}
+                self._ddp_groups = {k: g for k, g in self._ddp_groups.items() if g}
+                self._ddp_groups[key] = group
+        if self._in_hooks:
+            with self._coll.batch():  # the bucket's exchanges as one collective
+                for p in bucket.parameters():
+                    if p in self._where:
+                        self._launch_once(p)
+
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``, when exchanges are in flight."""
+        if not self._fresh:
+            raise AssertionError(contract.ZERO_GRAD)
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict):
+        """Abandon any step in flight, then restore the SLAMB state exactly."""
+        if any(e.open for e in self._engines):
+            self._abort()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._agreed, self._reference, self._nonfinite, self._error = False, {}, None, None
+        contract.reset_countdown(self)
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._index_params()
+
+
+def _version(p):
+    """What the agreement notes of ``p``'s gradient: the tensor and its in-place version counter."""
+    g = p.grad
+    return None if g is None else (g, g._version)
+
+
+def _same(a, b):
+    """Whether two :func:`_version` notes are of the same gradient tensor, unchanged."""
+    if a is None or b is None:
+        return a is b
+    return a[0] is b[0] and a[1] == b[1]

@@ -1,0 +1,286 @@
+"""Distributed top-k: the methods of the class that ``DistributedOptimizer(opt, compression=TopK(...))`` builds.
+
+At ``synchronize()`` every bucket's gradients go through the core's error-feedback top-k
+allgather and ``p.grad`` becomes the mean; then the wrapped optimizer steps.
+"""
+
+import contextlib
+import logging
+import warnings
+
+import torch
+
+from slamb_comm import arrays as _arr
+from slamb_comm.codecs import Layout
+from slamb_comm.communicator import Communicator
+from slamb_comm.errors import NonFiniteError
+from slamb_comm.stats import Traffic
+
+from . import contract
+from .params import param_changed, params_changed
+from .tensors import as_compute, cuda_scope, np_dtype, state_dtype, tensor_of
+
+__all__ = ["DistributedTopK", "amp_scale", "loss_scaled"]
+
+_log = logging.getLogger("slamb_comm")
+
+
+class DistributedTopK(torch.optim.Optimizer):
+    """Methods of the class :func:`DistributedOptimizer` builds for ``compression=TopK(...)``.
+
+    At ``synchronize()`` (or ``step()``), the gradients of each (device, dtype) bucket go
+    through one fused error-feedback top-k allgather (:meth:`slamb_comm.Communicator.sparse_allgather`);
+    ``p.grad`` becomes the mean over ranks of everyone's decoded top-k (times the number of
+    ranks for a Sum), then the wrapped optimizer steps. The error buffers are part
+    of ``state_dict()`` (under the extra key ``'slamb_comm_topk'``) and restore exactly.
+    """
+
+    def __init__(self, params, names, compression, backward_passes_per_step, coll, sum_op=False,
+                 gradient_predivide_factor=1.0, grad_scaler=None):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self._grad_scaler = grad_scaler
+        self._names = names
+        contract.init_common(self, coll)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._sum = bool(sum_op)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self._synchronized = False
+        self._should_synchronize = True
+        self._skip_next = False  # the agreed skip of a non-finite step, for the step() that follows
+        self.skipped_steps = 0
+        contract.register_hooks(self)
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._transport = coll.transport()  # None outside the process set: nothing exchanged
+        self._topk = []
+        self._bucketed = set()
+        self._add_buckets(self._requires_update if self._member else [])
+
+    def _flag_words(self):
+        return []
+
+    def _add_buckets(self, params):
+        """One fused top-k Communicator per (device, dtype) of ``params`` (collective). Parameters
+        that become trainable later get buckets of their own, so no error buffer is remapped."""
+        c = self._compression
+        buckets = {}
+        for p in params:
+            buckets.setdefault((str(p.device), str(state_dtype(p.dtype)), len(self._topk)), []).append(p)
+        for key, ps in buckets.items():
+            dt = state_dtype(ps[0].dtype)
+            layout = Layout([tuple(p.shape) for p in ps], np_dtype(dt), names=[self._names[id(p)] for p in ps],
+                            dense_threshold=c.dense_threshold or 0)
+            comm = Communicator(self._transport, layout, ratio=c.ratio, value_dtype=c.value_dtype, seed=0,
+                                topk_dense=c.dense_threshold is not None)
+            self._topk.append((key, ps, dt, comm))
+            self._bucketed.update(ps)
+
+    def _known(self):
+        return self._bucketed
+
+    def _abandon(self):
+        self._flag = None
+        contract.reset_countdown(self)
+
+    set_backward_passes_per_step = contract.set_backward_passes_per_step
+
+    def _make_hook(self, p):
+        def hook(param):
+            if not self._in_backward:  # a new backward pass: a skip decided before it is stale (a GradScaler took it)
+                self._skip_next = False
+            contract.count_backward(self, p)
+        return hook
+
+    _end_of_backward = contract.end_of_backward
+
+    @property
+    def communicators(self):
+        """The :class:`slamb_comm.Communicator` of every gradient bucket (for statistics)."""
+        return [c for _, _, _, c in self._topk]
+
+    def step_traffic(self):
+        """Bytes of the step just finished, summed over buckets (see :meth:`SLAMB.step_traffic`)."""
+        total = Traffic()
+        for c in self.communicators:
+            total = total + c.stats.new_step()
+        return total
+
+    def synchronize(self):
+        """Exchange every gradient (zeros where a rank has none) and set ``p.grad`` to the mean.
+
+        All buckets or none: every bucket is exchanged before any error buffer or ``p.grad``
+        is written, and if a bucket fails (on every rank alike: NaN/Inf, or a parameter that
+        changed on some rank) no bucket commits, so the step changes no state.
+
+        Outside the process set nothing is exchanged: the wrapped optimizer steps on this rank's
+        own gradients, as with Horovod."""
+        if not self._member:
+            self._synchronized = True
+            return
+        if not self._agreed:  # no backward pass ran here: agree now, as the others did at theirs
+            contract.agree_step(self)
+        self._agreed = False
+        # One small Sum tells both which ranks have newly trainable parameters and, per parameter,
+        # how many ranks have a gradient for it: none means it is left exactly as it is.
+        before = list(self._requires_update)
+        contract.launch_trainable_flag(self, extra=[int(p.grad is not None) for p in before])
+        grown = contract.wait_trainable_flag(self)
+        self._flag = None
+        nowhere = {p for p, c in zip(before, self._flag_extra) if c == 0}
+        if grown:  # unfrozen alike on every rank: exchanged from this step on, with zero error buffers
+            self._add_buckets(grown)
+            contract.register_hooks(self, grown)
+        problem = params_changed(self, self._all_params)
+        means = []
+        scale = amp_scale(self._grad_scaler, self)
+        scaled = contextlib.ExitStack()  # the error buffers in the gradients' (loss-scaled) units meanwhile
+        for _, _, _, comm in self._topk:
+            scaled.enter_context(loss_scaled(comm, scale))
+        with scaled:
+            self._exchange(problem, means, nowhere)
+
+    def _exchange(self, problem, means, nowhere):
+        """Every bucket's exchange, then (all having succeeded) every commit and ``p.grad``."""
+        try:
+            for b, (_, ps, dt, comm) in enumerate(self._topk):
+                lay = comm.layout
+                for i, p in enumerate(ps):
+                    problem = problem or param_changed(p, lay.names[i], lay.shapes[i], dt)
+                if problem is not None:  # input the core rejects: it still takes part, the others raise PeerError
+                    comm.sparse_allgather([])
+                grads = []
+                for p in ps:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(_arr.as_array(as_compute(p.grad, dt)))
+                # A later bucket may still fail: commit the error buffers only once all succeeded.
+                with cuda_scope(ps[0].device):
+                    means.append((comm, grads, comm.sparse_allgather(grads, commit=False)))
+        except Exception as err:  # raised on every rank, at the same bucket: start afresh
+            contract.reset_countdown(self)
+            if problem is not None:
+                raise problem from None
+            if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
+                self._skip_nonfinite(err)
+                return
+            raise
+        for (_, ps, _, _), (comm, _, _) in zip(self._topk, means):
+            with cuda_scope(ps[0].device):  # from the local gradients, still in p.grad
+                comm.commit_residual(skip={i for i, p in enumerate(ps) if p in nowhere})
+        for (_, ps, _, comm), (_, _, mean) in zip(self._topk, means):
+            for p, m in zip(ps, mean):
+                if p in nowhere:  # no rank had a gradient: the wrapped optimizer leaves it alone
+                    p.grad = None
+                    continue
+                out = tensor_of(m)
+                if self._sum:
+                    out = out * comm.size
+                out = out.to(p.grad.dtype)
+                if p.grad.is_sparse:
+                    p.grad = out.to_sparse()
+                else:
+                    p.grad.copy_(out)
+        contract.reset_countdown(self)
+        self._synchronized = True
+
+    skip_synchronize = contract.skip_synchronize
+
+    def _skip_nonfinite(self, err):
+        """On every rank alike: NaN gradients (so an AMP GradScaler skips too), and the next
+        ``step()`` does not step the wrapped optimizer. Logged and counted."""
+        for _, ps, _, _ in self._topk:
+            for p in ps:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        self._synchronized = True
+        self._skip_next = True
+        self.skipped_steps += 1
+        _log.warning("slamb_comm: top-k step skipped on every rank (%d so far): %s", self.skipped_steps, err)
+
+    def step(self, closure=None):
+        """Call ``closure`` (if any) first, as ``torch.optim`` does; synchronize (unless under
+        ``skip_synchronize()``); then the wrapped optimizer's step on the mean (skipped, on every
+        rank, after a non-finite gradient under ``on_nonfinite='skip'``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(contract.STEP_AFTER_SYNC)
+            self.synchronize()
+        self._synchronized = False
+        if self._skip_next:
+            self._skip_next = False
+            return loss
+        super(self.__class__, self).step()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``."""
+        if self._pending:
+            raise AssertionError(contract.ZERO_GRAD)
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        """The wrapped optimizer's state, plus this rank's error buffers under ``'slamb_comm_topk'``."""
+        sd = super(self.__class__, self).state_dict()
+        sd["slamb_comm_topk"] = [
+            {"residual": None if c.residual is None else torch.from_numpy(_arr.to_host(c.residual).copy()),
+             "seed": int(c.seed), "digest": c.state_dict()["digest"]}
+            for _, _, _, c in self._topk
+        ]
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output, error buffers included, exactly."""
+        state_dict = dict(state_dict)
+        mine = state_dict.pop("slamb_comm_topk", None)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._agreed = False
+        contract.reset_countdown(self)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if mine is not None:
+            if len(mine) != len(self._topk):
+                raise ValueError("the saved top-k state has a different number of buckets")
+            for (_, ps, _, c), s in zip(self._topk, mine):
+                st = c.state_dict()
+                st.update(seed=s["seed"], digest=s["digest"],
+                          residual=None if s["residual"] is None else s["residual"].numpy())
+                c.load_state_dict(st)  # the error buffer moves to the gradients' device at the next exchange
+
+
+def amp_scale(grad_scaler, optimizer=None):
+    """The loss scale the gradients carry now: ``grad_scaler.get_scale()`` of an enabled AMP
+    ``GradScaler`` (one host read), else 1; also 1 once ``grad_scaler.unscale_(optimizer)`` ran
+    in this iteration (read from the scaler's per-optimizer stage, which its ``update()``
+    resets; torch has kept it in ``_per_optimizer_states`` since AMP's first release)."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return 1.0
+    if optimizer is not None:
+        state = dict.get(getattr(grad_scaler, "_per_optimizer_states", {}), id(optimizer))  # no entry made
+        stage = None if state is None else state.get("stage")
+        if stage is not None and getattr(stage, "name", "READY") != "READY":
+            return 1.0  # unscaled already
+    return float(grad_scaler.get_scale())
+
+
+@contextlib.contextmanager
+def loss_scaled(comm, scale):
+    """While the block runs, ``comm``'s error buffer is in the units of gradients multiplied by
+    ``scale`` (an AMP loss scale), so that an exchange of scaled gradients compensates with it;
+    after, whatever happens, it is back in unscaled units. So the error buffer does not depend
+    on the scale, and carries over exactly when a GradScaler halves or doubles it (its scales
+    are powers of two: the two multiplications are exact)."""
+    if scale == 1.0:
+        yield
+        return
+    if comm.residual is not None:
+        comm.residual *= comm.residual.dtype.type(scale)
+    try:
+        yield
+    finally:
+        if comm.residual is not None:
+            comm.residual *= comm.residual.dtype.type(1.0 / scale)

@@ -1,0 +1,108 @@
+"""Parameter bookkeeping shared by the torch optimizers and the distributed optimizers.
+
+Horovod's naming checks on ``named_parameters`` (:func:`check_named_parameters`), the tests
+for a parameter (or the set of parameters) that changed after an optimizer was built
+(:func:`param_changed`, :func:`params_changed`), torch's mapping of a saved state dict onto
+the current parameters (:func:`saved_state_by_param`), and :class:`Engine`, the bucket of
+parameters that shares one Communicator and one core rule.
+"""
+
+import torch
+
+from slamb_comm.errors import LayoutError
+
+from .tensors import np_dtype, state_dtype
+
+__all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine"]
+
+
+def check_named_parameters(named_parameters, param_groups):
+    """Horovod's checks: (name, tensor) tuples, unique names, every parameter named."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [
+            (f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(param_groups) for j, v in enumerate(g["params"])
+        ]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), "
+            "usually produced by model.named_parameters()."
+        )
+    seen, dups = set(), set()
+    for k, _ in named_parameters:
+        (dups if k in seen else seen).add(k)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         "Found duplicates: %s" % ", ".join(sorted(dups)))
+    all_ids = {id(v) for g in param_groups for v in g["params"]}
+    named_ids = {id(v) for _, v in named_parameters}
+    unnamed = all_ids - named_ids
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed))
+        )
+    names = {}
+    for k, v in named_parameters:
+        names.setdefault(id(v), k)
+    return names
+
+
+def param_changed(p, name, shape, dtype):
+    """A :class:`LayoutError` if parameter ``p`` (or its gradient) no longer fits the bucket it
+    was built into (``shape``, compute ``dtype``), else None."""
+    now = tuple(p.shape) if tuple(p.shape) != shape or p.grad is None else tuple(p.grad.shape)
+    if now != shape:
+        return LayoutError(f"parameter {name!r} changed shape after the optimizer was built: "
+                           f"was {shape}, is now {now}")
+    if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or state_dtype(p.dtype) != dtype:
+        return LayoutError(f"parameter {name!r} changed dtype after the optimizer was built: "
+                           f"its bucket is {dtype}, it is now {p.dtype} (shape {shape})")
+    return None
+
+
+def params_changed(opt, params):
+    """A :class:`LayoutError` if ``opt``'s parameter groups no longer hold exactly ``params``."""
+    now = [p for g in opt.param_groups for p in g["params"]]
+    if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+        return LayoutError(f"the set of parameters changed after the optimizer was built: "
+                           f"{len(params)} then, {len(now)} now (build a new optimizer instead)")
+    return None
+
+
+def saved_state_by_param(optimizer, state_dict):
+    """The raw per-parameter state of ``state_dict`` keyed by this optimizer's parameters
+    (torch's own mapping: saved ids, in order, onto the current groups' parameters)."""
+    saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+    current = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(saved) != len(current):
+        raise ValueError("loaded state dict has a different number of parameters")
+    return {p: state_dict["state"][i] for i, p in zip(saved, current) if i in state_dict["state"]}
+
+
+class Engine:
+    """The parameters of one (device, dtype, hyper-parameter) bucket: one Communicator and
+    one :class:`slamb_comm.slamb.Slamb` over their fused layout."""
+
+    __slots__ = (
+        "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
+        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip",
+    )
+
+    def __init__(self, key, params, groups, names, dtype):
+        self.key = key
+        self.params = params
+        self.index = {p: i for i, p in enumerate(params)}
+        self.groups = groups
+        self.names = names
+        self.dtype = dtype
+        self.np_dtype = np_dtype(dtype)
+        self.comm = self.rule = None
+        self.open = False
+        self.counts = self.means = None
+        self.wire = None
+        self.launched = {}
+        self.encode_s = 0.0
+        self.payload = 0
+        self.skip = set()  # tensors without a gradient on any rank at the open step

@@ -1,0 +1,459 @@
+"""The SLAMB torch optimizer (:class:`SLAMB`), on the core's :class:`slamb_comm.slamb.Slamb`.
+
+Alone it is SLAMB with P = 1; :mod:`.distributed` turns it into SLAMB over all ranks. Holds
+the bucketing of parameters into (device, dtype, options, step) engines, the torch-side
+state (live views into the core's fused buffers), and its exact import and export.
+"""
+
+import logging
+
+import torch
+
+from slamb_comm import arrays as _arr
+from slamb_comm.codecs import Layout, check_ratio
+from slamb_comm.communicator import Communicator
+from slamb_comm.errors import ConfigError
+from slamb_comm.masks import check_block
+from slamb_comm.slamb import Slamb
+from slamb_comm.stats import Traffic
+from slamb_comm.transports import LocalTransport
+
+from .params import Engine, param_changed, saved_state_by_param
+from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
+
+__all__ = ["SLAMB"]
+
+_log = logging.getLogger("slamb_comm")
+
+
+_MASKS = ("cyclic", "bernoulli", "topk")
+
+
+def _schedule(e):
+    """Bucket ``e``'s ratio changes that its cyclic mask still follows, as [[chunks, step], ...]
+    (integers: a checkpoint keeps them exactly, where torch would cast a float tensor to the
+    parameters' dtype); None if it has had none."""
+    mask = e.comm.mask
+    if "schedule" not in mask.state_dict():
+        return None
+    return [[m.num_chunks, m.origin] for m in mask.levels()]
+
+
+class SLAMB(torch.optim.Optimizer):
+    r"""SLAMB (Xu et al., ICML 2023) as a ``torch.optim.Optimizer``: LAMB with sparse momentum.
+
+    Alone (no :func:`DistributedOptimizer`), in one process, it is the SLAMB rule with
+    P = 1, which is LAMB with the freshness machinery (with ``ratio=1`` exactly LAMB).
+    Wrapped by a ``DistributedOptimizer`` (this module's on torch.distributed, or
+    :mod:`slamb_comm.adapters.horovod`'s) it is SLAMB over all ranks:
+    each rank keeps its own moments from its *local* gradient; per step only the momentum
+    entries on a shared mask M_t (a ``ratio`` fraction of each large tensor, all of every
+    small or 1-D tensor) are averaged over the ranks, stale entries move with a rate that
+    slides from ``lr`` to ``lr / sqrt(P)`` by their freshness, and the parameters are
+    averaged every ``sync_interval`` steps. The math is ALGORITHM.md section 1, computed by
+    :class:`slamb_comm.slamb.Slamb` on fused flat buffers.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer. Every option
+            below can be set per group; ``lr`` and ``weight_decay`` are read from the
+            groups at every step (lr schedulers work).
+        lr: learning rate (the large-batch rate of fresh elements).
+        betas: ``(beta1, beta2)`` of the moments (bias-corrected).
+        eps: added to ``sqrt(vhat)``.
+        weight_decay: decoupled weight decay inside the LAMB direction.
+        ratio: k, the fraction of each large tensor's momentum exchanged per step. It may
+            change between steps (a schedule: set ``param_group["ratio"]`` on every rank
+            alike); the change applies from the next step, see :meth:`slamb_comm.slamb.Slamb.set_ratio`.
+        beta3: freshness decay; stale element i moves with
+            ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
+        sync_interval: H; parameters are averaged over ranks after steps 1, H+1, 2H+1, ...
+        mask: ``'cyclic'`` (default; every element exchanged once every ceil(1/k) steps),
+            ``'bernoulli'`` or ``'topk'`` (union of the ranks' largest momenta; its exchange
+            waits for the whole backward pass).
+        block: the cyclic mask's run length: 1 (default) picks single elements, as in the
+            paper; a larger value picks runs of that many contiguous elements of the fused
+            buffer (see :class:`slamb_comm.masks.CyclicMask`).
+        value_dtype: ``'float32'`` or ``'float16'`` payload of the momentum exchange
+            (16 bits halve the bytes).
+        c_min, c_max: clamp of the layer-wise trust ratios.
+        dense_threshold: tensors with ndim <= 1 or fewer elements are exchanged whole.
+        seed: seed of the shared mask; rank 0's value is used by every rank.
+        on_nonfinite: ``'skip'`` (default, like AMP's grad scaler): a step with a NaN or Inf
+            gradient on any rank is skipped by every rank (logged on logger ``slamb_comm``,
+            counted in :attr:`skipped_steps`); ``'raise'``: every rank raises
+            :class:`slamb_comm.NonFiniteError`. Either way no state changes.
+
+    Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
+    (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
+
+    State: per parameter ``exp_avg`` (m), ``exp_avg_sq`` (v), ``freshness`` (f) -- float32
+    views (float64 for float64 parameters) into SLAMB's fused buffers, live between
+    steps -- ``step`` (a float32 tensor) and ``mask_seed`` (an int64 tensor, so that a
+    broadcast reaches it in place). ``state_dict()`` and ``load_state_dict()`` round-trip
+    exactly, so a run resumed from every rank's own state is bitwise the run that was
+    interrupted. The state exists from construction on (zeros, freshness 1, step 0), so
+    ``hvd.broadcast_optimizer_state`` never needs the zero-gradient ``step()`` it uses to
+    create state (and creates no ``p.grad``): it copies rank 0's state and does not advance
+    the step count. After Horovod's resume idiom (only rank 0 loads a checkpoint, then
+    broadcasts) every rank continues from rank 0's moments: a valid run, not bitwise the
+    interrupted one; the other ranks log a warning saying so.
+
+    Data types: float32 and float64 parameters are updated in place; float16 and bfloat16
+    parameters are updated through a float32 copy and cast back (Horovod has no bfloat16;
+    the exchange is float32 or float16 per ``value_dtype``). Parameters with
+    ``requires_grad=False`` at construction join when they become trainable (on every rank
+    alike). A parameter whose gradient is ``None`` on every rank at a step is left exactly as it
+    is (no moment decay, no weight decay, no move, freshness unchanged), as torch optimizers
+    and the reference code do; it still takes part in the exchange, with zeros, so no rank
+    waits. Where only some ranks have its gradient, the others count it as zero (Horovod's
+    convention). With the cyclic mask such a parameter's freshness is stored from then on (4
+    bytes per element of that parameter), since it no longer follows the mask's schedule.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.0,
+        ratio=0.1,
+        beta3=0.99,
+        sync_interval=100,
+        mask="cyclic",
+        block=1,
+        value_dtype="float32",
+        c_min=0.01,
+        c_max=1000.0,
+        dense_threshold=9000,
+        seed=0,
+        on_nonfinite="skip",
+    ):
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, ratio=ratio, beta3=beta3,
+            sync_interval=sync_interval, mask=mask, block=block, value_dtype=value_dtype, c_min=c_min,
+            c_max=c_max, dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
+        )
+        self._check_options(defaults)
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            self._check_options(g)
+        self._slamb_transport = getattr(self, "_slamb_transport", None)
+        self._slamb_names = getattr(self, "_slamb_names", None)
+        self._engines = None
+        if not getattr(self, "_slamb_defer_build", False):
+            self._build_engines()
+
+    # ------------------------------------------------------------------ options
+    @staticmethod
+    def _check_options(g):
+        if not (isinstance(g["lr"], (int, float)) and g["lr"] >= 0):
+            raise ConfigError(f"lr must be a number >= 0, got {g['lr']!r}")
+        b = g["betas"]
+        if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {b!r}")
+        if not float(g["eps"]) >= 0:
+            raise ConfigError(f"eps must be >= 0, got {g['eps']!r}")
+        if not float(g["weight_decay"]) >= 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {g['weight_decay']!r}")
+        check_ratio(g["ratio"])
+        if not 0.0 <= float(g["beta3"]) < 1.0:
+            raise ConfigError(f"beta3 must be in [0, 1), got {g['beta3']!r}")
+        h = g["sync_interval"]
+        if isinstance(h, bool) or int(h) != h or h < 1:
+            raise ConfigError(f"sync_interval must be an integer >= 1, got {g['sync_interval']!r}")
+        if g["mask"] not in _MASKS:
+            raise ConfigError(f"unknown mask {g['mask']!r}; choose one of {list(_MASKS)}")
+        if check_block(g.get("block", 1)) != 1 and g["mask"] != "cyclic":
+            raise ConfigError(f"block={g['block']} applies to the cyclic mask only, not {g['mask']!r}")
+        _arr.value_dtype(g["value_dtype"])
+        if not 0.0 < float(g["c_min"]) <= float(g["c_max"]):
+            raise ConfigError(f"need 0 < c_min <= c_max, got {g['c_min']!r}, {g['c_max']!r}")
+        if int(g["dense_threshold"]) < 0:
+            raise ConfigError(f"dense_threshold must be >= 0, got {g['dense_threshold']!r}")
+        if g["on_nonfinite"] not in ("skip", "raise"):
+            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {g['on_nonfinite']!r}")
+        if g["seed"] is not None and int(g["seed"]) != g["seed"]:
+            raise ConfigError(f"seed must be an integer or None, got {g['seed']!r}")
+
+    @staticmethod
+    def _knobs(g):
+        rule = (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["beta3"]), int(g["sync_interval"]),
+                float(g["c_min"]), float(g["c_max"]), g["on_nonfinite"])
+        comm = (check_ratio(g["ratio"]), g["mask"], _arr.value_dtype(g["value_dtype"]).name, int(g["dense_threshold"]),
+                check_block(g.get("block", 1)), None if g["seed"] is None else int(g["seed"]))
+        return rule, comm
+
+    def add_param_group(self, param_group):
+        """Add a parameter group (options default to the constructor's); SLAMB's buckets are
+        rebuilt, keeping the existing state, at the next step (collectively when distributed)."""
+        super().add_param_group(param_group)
+        self._check_options(self.param_groups[-1])
+        if getattr(self, "_engines", None) is not None:
+            self._engines = "stale"  # rebuilt (keeping the state) at the next step
+
+    # ------------------------------------------------------------------ engines
+    def _build_engines(self, ages=None):
+        """Bucket the parameters by (device, compute dtype, options, step count) and build one
+        Communicator + Slamb per bucket, keeping existing state. Collective when distributed."""
+        old = getattr(self, "_built", None) or []
+        saved = {p: dict(self.state[p]) for e in old for p in e.params}
+        if ages is None:
+            ages = {p: int(float(st["step"])) for p, st in saved.items()}
+        transport = self._slamb_transport if self._slamb_transport is not None else LocalTransport()
+        buckets = {}
+        for gi, g in enumerate(self.param_groups):
+            rule_k, comm_k = self._knobs(g)
+            for j, p in enumerate(g["params"]):
+                if not p.requires_grad:
+                    continue
+                dt = state_dtype(p.dtype)
+                # parameters that already have state at another step (added by add_param_group)
+                # cannot share a bucket, whose step count is one
+                age = ages.get(p, 0)
+                key = (str(p.device), str(dt), rule_k, comm_k, age)
+                buckets.setdefault(key, []).append((p, g, j, gi))
+        engines = []
+        for key, items in buckets.items():
+            params = [p for p, _, _, _ in items]
+            groups = [g for _, g, _, _ in items]
+            names = [
+                (self._slamb_names or {}).get(id(p), f"group{gi}.{j}") for p, _, j, gi in items
+            ]
+            e = Engine(key, params, groups, names, state_dtype(params[0].dtype))
+            g0 = groups[0]
+            layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
+                            dense_threshold=int(g0["dense_threshold"]))
+            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key[3][4],
+                                  value_dtype=g0["value_dtype"], seed=g0["seed"],
+                                  dense_threshold=int(g0["dense_threshold"]))
+            e.wire = e.comm.value_dtype
+            e.rule = Slamb(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
+                           weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
+                           sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
+                           on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None)
+            self._import_state(e, {p: saved[p] for p in params if p in saved})
+            engines.append(e)
+        self._engines = self._built = engines
+
+    def _ensure_engines(self):
+        if not isinstance(self._engines, list):
+            self._build_engines()
+        return self._engines
+
+    def _import_state(self, e, raw):
+        """Load ``raw`` (param -> saved state dict) into engine ``e`` exactly; fresh state if empty.
+        The state is allocated on the parameters' device and filled tensor by tensor (no fused
+        host copy of the model); a saved freshness is used only where it is stored (the
+        bernoulli and topk masks: the cyclic mask derives it from the step and the seed)."""
+        lay = e.comm.layout
+        missing = [n for p, n in zip(e.params, e.names) if p not in raw or "exp_avg" not in raw[p]]
+        have = [p for p in e.params if p in raw and "exp_avg" in raw[p]]
+        step, comm_state = 0, e.comm.state_dict()
+        if have:
+            steps = {int(float(raw[p]["step"])) for p in have}
+            if len(steps) != 1 or (missing and steps != {0}):
+                raise ValueError(f"the SLAMB state to load mixes step counts {sorted(steps)} in one bucket"
+                                 + (f" or lacks parameter(s) {missing[:5]}" if missing else ""))
+            step = steps.pop()
+            comm_state["seed"] = int(raw[have[0]].get("mask_seed", comm_state["seed"]))
+            sched = raw[have[0]].get("mask_schedule")
+            if sched is not None and e.key[3][1] == "cyclic":
+                sched = [(int(c), int(o)) for c, o in torch.as_tensor(sched).tolist()]
+                if sched[-1][0] != e.comm.mask.num_chunks:
+                    raise ValueError(f"the saved mask schedule (chunks, step) {sched} ends at {sched[-1][0]} chunks, "
+                                     f"but the parameter group's ratio {e.comm.ratio} makes {e.comm.mask.num_chunks}")
+                ratios = [1.0 / c for c, _ in sched[:-1]] + [e.comm.ratio]  # a cyclic mask's ratio is its C
+                comm_state["mask"] = dict(comm_state["mask"], schedule=[(k, o) for k, (_, o) in zip(ratios, sched)])
+        e.rule.load_state_dict({"step": step, "m": None, "v": None, "f": None, "comm": comm_state})
+        with cuda_scope(e.params[0].device):
+            e.rule.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
+        stored = not e.rule.derived
+        for p, (o, n), shape in zip(have, [lay.segments()[e.index[p]] for p in have],
+                                    [lay.shapes[e.index[p]] for p in have]):
+            keys = [("exp_avg", e.rule.m), ("exp_avg_sq", e.rule.v)] + ([("freshness", e.rule._f)] if stored else [])
+            for key, buf in keys:
+                if key in raw[p]:
+                    tensor_of(buf[o:o + n]).view(shape).copy_(torch.as_tensor(raw[p][key]).detach())
+            if not stored and "freshness" in raw[p]:  # a tensor that once skipped a step left the schedule
+                i = e.index[p]
+                saved = torch.as_tensor(raw[p]["freshness"]).detach().reshape(-1).to(e.dtype).cpu()
+                if not torch.equal(saved, torch.from_numpy(e.rule.freshness(i).reshape(-1))):
+                    e.rule.keep_freshness(i, saved)
+        self._publish(e)
+
+    def _publish(self, e):
+        """Point each parameter's torch state at the fused buffers (no copy). The freshness is a
+        live view where it is stored; for the cyclic mask it is derived, and appears only in
+        :meth:`state_dict`."""
+        r, lay = e.rule, e.comm.layout
+        for i, (p, (o, n), shape) in enumerate(zip(e.params, lay.segments(), lay.shapes)):
+            st = self.state[p]
+            st["step"] = torch.tensor(float(r.t))
+            st["exp_avg"] = tensor_of(r.m[o:o + n]).view(shape)
+            st["exp_avg_sq"] = tensor_of(r.v[o:o + n]).view(shape)
+            f = r.stored_freshness(i)
+            if f is None:
+                st.pop("freshness", None)
+            else:
+                st["freshness"] = tensor_of(f).view(shape)
+            # a tensor, so that hvd.broadcast_optimizer_state writes it in place like the moments
+            st["mask_seed"] = torch.tensor(int(e.comm.seed), dtype=torch.int64)
+            sched = _schedule(e)
+            if sched is None:
+                st.pop("mask_schedule", None)
+            else:  # the cyclic mask's ratio changes that still decide its freshness: [(chunks, step)]
+                st["mask_schedule"] = torch.tensor(sched, dtype=torch.int64)
+
+    def state_dict(self):
+        """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
+        cyclic mask): a float32 CPU tensor built here, so a checkpoint shows every element's
+        freshness; it is not needed to resume."""
+        sd = super().state_dict()
+        index = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+        for e in (self._engines if isinstance(self._engines, list) else []):
+            if not e.rule.derived:
+                continue
+            for i, p in enumerate(e.params):
+                k = index.get(id(p))
+                if k in sd["state"] and e.rule.stored_freshness(i) is None:  # else a live view is there
+                    sd["state"][k] = dict(sd["state"][k], freshness=torch.from_numpy(e.rule.freshness(i)))
+        return sd
+
+    def _pull(self, e):
+        """Before a step: take in what was written into the torch state since the last step
+        (``hvd.broadcast_optimizer_state`` overwrites step and seed; the moment tensors are
+        live views). Also refresh the options read from the groups."""
+        st = self.state[e.params[0]]
+        t, seed = int(float(st["step"])), int(st["mask_seed"])
+        same_views = st["exp_avg"].data_ptr() == tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
+        sched = st.get("mask_schedule")
+        same_schedule = (None if sched is None else sched.tolist()) == _schedule(e)
+        if t != e.rule.t or seed != e.comm.seed or not same_views or not same_schedule:
+            if self._slamb_transport is not None:  # a local load imports at once, never here
+                _log.warning(
+                    "slamb_comm: SLAMB state of bucket %s was replaced from outside (a broadcast, e.g. "
+                    "hvd.broadcast_optimizer_state after rank 0 loaded a checkpoint): this rank continues from "
+                    "the broadcaster's moments, step %d and mask seed. That is a valid SLAMB run but not bitwise "
+                    "the interrupted one, whose moments differed per rank; save and load every rank's state "
+                    "(slamb_comm.checkpoint) for that.", e.names[0], t)
+            self._import_state(e, {p: self.state[p] for p in e.params})
+            self._options_agreed = False
+        rule_k, comm_k = self._knobs(e.groups[0])
+        for g in e.groups[1:]:
+            if self._knobs(g)[0] != rule_k:
+                raise ConfigError("parameter groups that share a SLAMB bucket now disagree on betas/eps/beta3/"
+                                  "sync_interval/c_min/c_max; change them for every group at once")
+        for g in e.groups:
+            c = self._knobs(g)[1]
+            if c[1:5] != e.key[3][1:5]:
+                raise ConfigError("mask, value_dtype, dense_threshold and block are fixed at construction "
+                                  f"(built with {e.key[3][1:5]}, the group now says {c[1:5]}); the ratio may change")
+        self._requested_ratio(e)
+        r = e.rule
+        r.betas, r.eps, r.beta3, r.sync_interval, r.c_min, r.c_max, r.on_nonfinite = rule_k
+
+    def _requested_ratio(self, e):
+        """The ratio the bucket's parameter groups ask for now (a schedule may have changed it);
+        ConfigError if groups that share the bucket disagree."""
+        asked = {check_ratio(g["ratio"]) for g in e.groups}
+        if len(asked) != 1:
+            raise ConfigError(f"parameter groups that share a SLAMB bucket ask for different ratios {sorted(asked)}; "
+                              "change the ratio of every group of the bucket at once")
+        return asked.pop()
+
+    def _set_ratio(self, e, problem=None):
+        """Move bucket ``e`` to its groups' ratio from the next step on (collective when
+        distributed: every rank alike, or ConfigError/PeerError everywhere and nothing changes)."""
+        k = e.comm.ratio
+        if problem is None:
+            try:
+                k = self._requested_ratio(e)
+            except ConfigError as err:
+                problem = err
+        if problem is None:
+            e.rule.set_ratio(k)
+        else:  # still collective: the other ranks learn of it and raise PeerError
+            e.comm.set_ratio(k, e.rule.t, problem=problem)
+        e.key = e.key[:3] + ((e.comm.ratio,) + e.key[3][1:],) + e.key[4:]
+        self._publish(e)
+
+    def _lr_wd(self, e):
+        return [float(g["lr"]) for g in e.groups], [float(g["weight_decay"]) for g in e.groups]
+
+    def _grad_array(self, p, e):
+        if p.grad is None:
+            return _arr.as_array(torch.zeros(p.shape, dtype=e.dtype, device=p.device)), None
+        g = as_compute(p.grad, e.dtype)
+        return _arr.as_array(g), g
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SLAMB step of every parameter (in a single process: P = 1)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engines = self._ensure_engines()
+        for e in engines:  # before any bucket steps: a changed parameter changes nothing
+            for i, p in enumerate(e.params):
+                problem = param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
+                if problem is not None:
+                    raise problem
+        for e in engines:
+            if all(p.grad is None for p in e.params):
+                continue
+            self._pull(e)
+            if self._requested_ratio(e) != e.comm.ratio:  # a ratio schedule: from this step on
+                self._set_ratio(e)
+            lr, wd = self._lr_wd(e)
+            x = Params(e)
+            skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
+            with cuda_scope(e.params[0].device):
+                e.rule.step(x, Grads(e), lr=lr, weight_decay=wd, written=x.written, skip=skip)
+            self._publish(e)
+        return loss
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output exactly (moments stay in their saved precision)."""
+        self._options_agreed = False
+        raw = saved_state_by_param(self, state_dict)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            self._check_options(g)
+        engines = self._ensure_engines()
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        for e in engines:  # torch's load made new group dicts: read options (an lr schedule's) from those
+            e.groups = [group_of[p] for p in e.params]
+        ages = {p: int(float(st["step"])) for p, st in raw.items() if "step" in st}
+        if any(self._knobs(g)[1][:5] != e.key[3][:5] for e in engines for g in e.groups) or any(
+            len({ages.get(p, 0) for p in e.params}) > 1 for e in engines
+        ):
+            self._build_engines(ages)  # the checkpoint's buckets differ from ours
+            engines = self._engines
+        for e in engines:
+            self._import_state(e, {p: raw[p] for p in e.params if p in raw})
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def skipped_steps(self):
+        """Steps skipped (on every rank alike) for non-finite gradients, with ``on_nonfinite='skip'``."""
+        return max((e.rule.skipped_steps for e in self._ensure_engines()), default=0)
+
+    @property
+    def communicators(self):
+        """The :class:`slamb_comm.Communicator` of every parameter bucket (for statistics)."""
+        return [e.comm for e in self._ensure_engines()]
+
+    def step_traffic(self):
+        """Bytes of the step just finished (summed over buckets), and start counting anew:
+        a :class:`slamb_comm.Traffic` whose ``payload_bytes`` / ``dense_payload_bytes`` read as
+        "this step moved x of the y bytes a dense allreduce would have"."""
+        total = Traffic()
+        for c in self.communicators:
+            total = total + c.stats.new_step()
+        return total

@@ -1,0 +1,120 @@
+"""Torch tensors as the core's arrays: compute dtypes, views, CUDA streams, lazy conversion.
+
+The one place where a torch tensor becomes a NumPy/CuPy array for :mod:`slamb_comm` (and
+back): the dtype slamb_comm computes in for each parameter dtype (16-bit -> float32), views
+without copies (:func:`torch_view`, :func:`tensor_of`), the CUDA stream scope that orders the
+core's CuPy work with torch's (:func:`cuda_scope`), and the lazily converted parameter and
+gradient sequences a bucket hands to the core (:class:`Params`, :class:`Grads`).
+"""
+
+import contextlib
+
+import numpy as np
+import torch
+
+from slamb_comm import arrays as _arr
+
+__all__ = ["torch_view", "tensor_of", "state_dtype", "np_dtype", "torch_dtype", "as_compute", "cuda_scope",
+           "Params", "Grads"]
+
+
+def torch_view(buf):
+    """A torch tensor sharing memory with a NumPy (CPU) or CuPy (CUDA) buffer."""
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(buf)
+    if _arr.is_cupy(buf):
+        _arr.synchronize(buf)  # the buffer must be complete before the collective reads it
+        return torch.from_dlpack(buf)
+    raise TypeError(f"expected a numpy or cupy array, got {type(buf).__module__}.{type(buf).__name__}")
+
+
+def state_dtype(dtype):
+    """The dtype slamb_comm computes in for parameters of ``dtype``: 16-bit -> float32."""
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.float32
+    raise TypeError(f"slamb_comm cannot optimise parameters of dtype {dtype}")
+
+
+def np_dtype(tdtype):
+    return np.dtype({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}[tdtype])
+
+
+def torch_dtype(npdtype):
+    return {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}[np.dtype(npdtype).name]
+
+
+def as_compute(t, dtype):
+    """``t`` (detached) as a contiguous tensor of ``dtype``; no copy when it already is one."""
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def cuda_scope(device):
+    """For tensors on a CUDA ``device``: CuPy's current device is that device and its current
+    stream is torch's current stream there, so what the core queues is ordered with torch's own
+    work (before: the gradients; after: whatever reads the parameters) without a host
+    synchronisation. A no-op context for CPU tensors."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()))
+    stack.enter_context(cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream))
+    return stack
+
+
+def tensor_of(a):
+    """A torch view of a NumPy/CuPy array."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+class Params:
+    """The parameters of a bucket as a lazily read sequence of arrays of the bucket's dtype:
+    a view for float32/float64 parameters, a converted copy for 16-bit ones, made when the
+    core reads the tensor and written back (and dropped) when it calls :meth:`written`. So a
+    bfloat16 model never has more than one tensor's float32 copy alive."""
+
+    def __init__(self, e):
+        self.e = e
+        self._copy = {}
+
+    def __len__(self):
+        return len(self.e.params)
+
+    def __getitem__(self, i):
+        x = self._copy.get(i)
+        if x is None:
+            p = self.e.params[i]
+            x = as_compute(p, self.e.dtype)
+            if x.data_ptr() != p.data_ptr():
+                self._copy[i] = x
+        return _arr.as_array(x)
+
+    def written(self, i):
+        x = self._copy.pop(i, None)
+        if x is not None:
+            self.e.params[i].data.copy_(x)
+
+
+class Grads:
+    """The gradients of a bucket as a lazily read sequence of arrays of the bucket's dtype
+    (zeros for a parameter without a gradient; converted per access for 16-bit ones)."""
+
+    def __init__(self, e):
+        self.e = e
+
+    def __len__(self):
+        return len(self.e.params)
+
+    def __getitem__(self, i):
+        p = self.e.params[i]
+        if p.grad is None:
+            return _arr.as_array(torch.zeros(p.shape, dtype=self.e.dtype, device=p.device))
+        return _arr.as_array(as_compute(p.grad, self.e.dtype))
