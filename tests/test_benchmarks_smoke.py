@@ -307,3 +307,23 @@ def test_optimizer_benchmark_time_and_memory(tmp_path):
         assert float(got["adamw-foreach"]["ratio"]) == 1.0
         assert all(float(r["value"]) > 0 for r in got.values())
     assert all(r["params"] == str(2 * (256 * 256 + 256)) for r in rows)
+
+
+# ---------------------------------------------------------------------------- collectives per step
+@pytest.mark.parametrize("tensors", [30, 100])
+def test_slamb_on_torch_distributed_makes_three_collectives_per_step(tensors):
+    """benchmarks/collectives.py under torchrun: after the first step, 3 allreduces per step (the
+    payloads fused into one, a flag, the agreement) on the plain path, under DDP's hook, and with
+    clipping after backward(), whatever the number of tensors."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    out = subprocess.run(["timeout", "240", torchrun, "--nproc_per_node", "2", "benchmarks/collectives.py",
+                          "--tensors", str(tensors), "--steps", "5"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [l for l in out.stdout.splitlines() if "calls per step" in l]
+    assert [l.split(":")[0] for l in lines] == ["plain", "ddp", "clip"], out.stdout
+    for line in lines:
+        per = [int(v) for v in line.split("[")[1].rstrip("]").split(",")]
+        assert per[1:] == [3] * 4, line
