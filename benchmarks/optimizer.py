@@ -49,6 +49,7 @@ ARMS_CPU = ["adamw-foreach", "adamw", "slamb-core", "slamb-adapter", "slamb-core
 ARMS_P2 = ["slamb-core-p2", "onebit-core-p2"]  # memory only, on 2 MPI ranks
 ARMS_GPU = ["adamw-fused", "adamw-foreach", "slamb-core", "slamb-adapter", "slamb-core-fp16"]
 SLAMB_OPTS = dict(ratio=0.1, value_dtype="float32", beta3=0.9, sync_interval=100)
+BUCKET_BYTES = [32 << 20]  # the core's Communicator(bucket_bytes=): the periodic sync's scratch
 
 
 def _threads_one():
@@ -100,7 +101,8 @@ def build_arm(arm, params):
             rule = OneBitLamb(sc.Communicator(transport, x), lr=1e-3, weight_decay=0.01, freeze_step=1)
             return lambda: rule.step(x, g)
         vdt = "float16" if arm.endswith("fp16") else SLAMB_OPTS["value_dtype"]
-        comm = sc.Communicator(transport, x, ratio=SLAMB_OPTS["ratio"], value_dtype=vdt, seed=1)
+        comm = sc.Communicator(transport, x, ratio=SLAMB_OPTS["ratio"], value_dtype=vdt, seed=1,
+                               bucket_bytes=BUCKET_BYTES[0])
         rule = Slamb(comm, lr=1e-3, weight_decay=0.01, beta3=SLAMB_OPTS["beta3"],
                      sync_interval=SLAMB_OPTS["sync_interval"])
         return lambda: rule.step(x, g)
@@ -185,8 +187,11 @@ def main():
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--out", default=None, help="CSV file (default: print only)")
+    ap.add_argument("--bucket-bytes", type=int, default=32 << 20,
+                    help="the core arms' Communicator(bucket_bytes=): the periodic sync's bucket (32 MiB)")
     ap.add_argument("--_memory-of", dest="memory_of", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    BUCKET_BYTES[0] = args.bucket_bytes
     if args.device == "cpu":
         _threads_one()
     import torch
@@ -204,7 +209,8 @@ def main():
         mem = {}
         for arm in arms:
             cmd = [sys.executable, os.path.abspath(__file__), "--_memory-of", arm, "--layers", str(args.layers),
-                   "--width", str(args.width), "--steps", str(args.steps), "--device", args.device]
+                   "--width", str(args.width), "--steps", str(args.steps), "--device", args.device,
+                   "--bucket-bytes", str(args.bucket_bytes)]
             if arm in ARMS_P2:
                 cmd = ["bash", os.path.join(os.path.dirname(HERE), "scripts", "mpirun.sh"), "2", "600"] + cmd
             # A fixed mmap threshold: every block of 64 KiB or more is mapped when allocated and

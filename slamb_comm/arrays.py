@@ -69,6 +69,11 @@ def as_array(x):
         if "bfloat16" in dt:
             raise DTypeError(f"cannot exchange {dt} arrays: NumPy and CuPy have no bfloat16; convert to float32 "
                              "(the torch adapters do this for you)")
+        if getattr(x, "is_cpu", False) and hasattr(x, "numpy") and hasattr(x, "detach"):
+            try:  # a torch CPU tensor: its own zero-copy view, several times cheaper than DLPack's
+                return x.detach().numpy()
+            except (RuntimeError, TypeError):  # e.g. a conjugate or negative view: DLPack below says why
+                pass
         dev_type, _ = x.__dlpack_device__()
         try:
             if int(dev_type) in _DL_CPU:

@@ -87,7 +87,7 @@ class Engine:
 
     __slots__ = (
         "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
-        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip",
+        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip", "published",
     )
 
     def __init__(self, key, params, groups, names, dtype):
@@ -106,3 +106,4 @@ class Engine:
         self.encode_s = 0.0
         self.payload = 0
         self.skip = set()  # tensors without a gradient on any rank at the open step
+        self.published = None  # what the torch state's views were last pointed at (the adapters' _publish)
