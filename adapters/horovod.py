@@ -28,7 +28,7 @@ What this module holds:
   :func:`DistributedOptimizer` it is SLAMB.
 * :class:`OneBitLAMB` -- 1-bit LAMB, likewise re-exported from :mod:`slamb_comm.adapters.torch`.
 * :class:`TopK` -- a ``compression=`` value selecting the error-feedback top-k gradient
-  exchange (ALGORITHM.md section 2) for any optimizer.
+  exchange (docs/algorithm.md section 2) for any optimizer.
 * :func:`DistributedOptimizer` -- the drop-in for ``hvd.DistributedOptimizer``: the
   distributed optimizers of :mod:`slamb_comm.adapters.torch` on Horovod's collectives.
 
@@ -82,15 +82,12 @@ class HorovodTransport:
 
     Args:
         process_set: a Horovod process set (default: all ranks).
-        prefix: name prefix of this transport's collectives (default ``slamb_comm.t<N>``,
-            N counting the transports this process created, the same on every rank when the
-            ranks create them in the same order).
     """
 
     name = "horovod"
     _created = itertools.count()
 
-    def __init__(self, process_set=None, prefix=None):
+    def __init__(self, process_set=None):
         if not hvd.is_initialized():
             raise RuntimeError("HorovodTransport needs hvd.init() to have been called")
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -98,7 +95,8 @@ class HorovodTransport:
             raise ValueError("this rank is not in the given Horovod process set")
         self.rank = int(self.process_set.rank())
         self.size = int(self.process_set.size())
-        self.prefix = prefix if prefix is not None else f"slamb_comm.t{next(HorovodTransport._created)}"
+        # names shared by every rank that creates its transports in the same order
+        self.prefix = f"slamb_comm.t{next(HorovodTransport._created)}"
         self._calls = itertools.count()
 
     def _name(self, op):
@@ -266,7 +264,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     * ``optimizer`` is a :class:`OneBitLAMB`: 1-bit LAMB over all ranks, exchanged in
       ``step()`` (``op=hvd.Average``, no compression).
     * ``compression`` is a :class:`TopK`: any optimizer; gradients go through the
-      error-feedback top-k exchange of ALGORITHM.md section 2, and the optimizer steps on
+      error-feedback top-k exchange of docs/algorithm.md section 2, and the optimizer steps on
       the mean (``op=hvd.Sum``: the sum).
     * otherwise: exactly ``hvd.DistributedOptimizer(...)`` (what is returned is Horovod's
       own object), except that bfloat16 gradients travel as float32 when the model has any.

@@ -12,7 +12,7 @@ so nothing of the data is left in the last-level cache), median and [p25, p75] o
   on every input before it is timed. Reported: GB/s read (4 n / time) and the ratio to torch.
 * **masked gather and scatter** of the cyclic mask's M_t (a ``ratio`` fraction of n float32,
   ``Selection.take`` into the payload and ``Selection.put`` back), for the element mask
-  (``block=1``, ALGORITHM.md) and masks of whole runs of ``block`` elements
+  (``block=1``, docs/algorithm.md) and masks of whole runs of ``block`` elements
   (``Communicator(block=...)``), against ``np.copyto`` of the same number of contiguous
   bytes from a cold source: ``vs_copy`` = time / copy time (1.0 = as fast as a memcpy).
 * **fp16** (``--parts fp16``, not in the default run): encode (float32 -> float16) and decode

@@ -26,7 +26,7 @@ iterations run until ``--iters`` or until ``--max-seconds`` of timed work (at le
 
 Columns:
 
-* ``payload_bytes``: what one rank hands to the collective (ALGORITHM.md section 4;
+* ``payload_bytes``: what one rank hands to the collective (docs/algorithm.md section 4;
   the core's arms include their 1-element status word / 8-byte header);
 * ``wire_bytes``: ``2 (P-1)/P * payload`` for allreduce, ``(P-1) * payload`` for allgather;
 * ``algbw_GBps`` = dense fp32 bytes of the buffer (4 N) / median latency -- the useful
@@ -114,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,float16", help="payload dtypes")
     ap.add_argument("--methods", default=",".join(ALL_METHODS))
     ap.add_argument("--block", type=int, default=1,
-                    help="masked: the cyclic mask's run length (1 = single elements, as in ALGORITHM.md)")
+                    help="masked: the cyclic mask's run length (1 = single elements, as in docs/algorithm.md)")
     ap.add_argument("--iters", type=int, default=30, help="at most this many timed iterations")
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=2.0, help="stop timing an arm after this much")

@@ -3,7 +3,7 @@
 """A small transformer language model on the Python standard library's own source, with Horovod.
 
 Byte-level, 2 layers, d = 128, context 64, 16 sequences per rank (the setting of
-ALGORITHM.md section 5). Choose the optimizer with ``--optimizer``: ``slamb`` (sparse
+docs/algorithm.md section 5). Choose the optimizer with ``--optimizer``: ``slamb`` (sparse
 momentum, this library), ``lamb`` (dense LAMB over Horovod allreduce), ``onebit_lamb``
 (1-bit LAMB, docs/onebit_lamb.md: ``--freeze-step`` dense LAMB steps, by default 15% of
 ``--steps`` as in DeepSpeed's BERT recipes, then the error-compensated 1-bit momentum

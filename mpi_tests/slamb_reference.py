@@ -1,4 +1,4 @@
-"""A dense, single-process reference of ALGORITHM.md section 1 for P simulated ranks.
+"""A dense, single-process reference of docs/algorithm.md section 1 for P simulated ranks.
 
 Written from the formulas, in float64, one tensor at a time, with no code shared with
 slamb_comm except the mask indices (the masks are tested on their own).

@@ -1,4 +1,4 @@
-"""Communicator over MPI (pytest-mpi), against the dense references of ALGORITHM.md 1-4.
+"""Communicator over MPI (pytest-mpi), against the dense references of docs/algorithm.md 1-4.
 
 Run:  bash scripts/mpirun.sh 4 600 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_communicator.py
 
@@ -73,7 +73,7 @@ def same_on_every_rank(a):
 
 
 def ref_topk(c, layout, ratio, vdt):
-    """One rank's decoded top-k payload (ALGORITHM.md section 2), per tensor, values rounded to vdt."""
+    """One rank's decoded top-k payload (docs/algorithm.md section 2), per tensor, values rounded to vdt."""
     sent = np.zeros_like(c)
     for o, n in layout.segments():
         seg = c[o : o + n]

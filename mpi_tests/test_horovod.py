@@ -4,7 +4,7 @@
 
 (also at 1 and 2 ranks; horovodrun works too). Every rank can recompute every rank's
 gradient from seeded per-rank data, so each test compares the library against a dense
-single-process reference of ALGORITHM.md that it computes itself: section 1 (SLAMB) in
+single-process reference of docs/algorithm.md that it computes itself: section 1 (SLAMB) in
 float64 NumPy, section 2 (top-k with error feedback) in float32 with the wrapped torch
 optimizer. No test asserts a timing.
 """
@@ -111,7 +111,7 @@ def slamb_dist(model, **kw):
 
 # ----------------------------------------------------------------------------- references
 class RefSlamb:
-    """ALGORITHM.md section 1, densely, for all P ranks at once, in float64."""
+    """docs/algorithm.md section 1, densely, for all P ranks at once, in float64."""
 
     def __init__(self, x0, shapes, P, lr, betas=(0.9, 0.999), eps=1e-6, wd=0.0, beta3=0.99, H=100,
                  c_min=0.01, c_max=1000.0):
@@ -1061,7 +1061,7 @@ def test_slamb_alone_parameter_changed_raises_and_changes_nothing(how):
 def test_topk_two_buckets_non_finite_in_the_second_changes_neither(mode):
     """float32 and float64 parameters: two fused buckets. A NaN in the second bucket on one rank
     skips (or raises) on every rank and leaves both error buffers, the parameters and (raise)
-    the gradients as they were; the next clean step is ALGORITHM.md section 2."""
+    the gradients as they were; the next clean step is docs/algorithm.md section 2."""
     P, rank, ratio, lr = hvd.size(), hvd.rank(), 0.25, 0.05
 
     def models():

@@ -7,7 +7,7 @@ three modes: ``topk1`` (a torch optimizer with ``compression=TopK(1.0)``), ``top
 (``TopK(0.1)``, no always-dense rule) and ``slamb`` (``SLAMB(dense_threshold=300)``).
 
 Every rank recomputes every rank's gradient from seeded per-rank data, so each test compares
-the library with a dense reference written out here from ALGORITHM.md: section 1 (SLAMB) in
+the library with a dense reference written out here from docs/algorithm.md: section 1 (SLAMB) in
 float64 NumPy, section 2 (top-k with error feedback) in float32 with the wrapped torch
 optimizer stepping a twin model on the mean. The idioms: resume by a rank-0 broadcast with
 asymmetric state, options unified by ``hvd.broadcast_optimizer_state``, process sets with

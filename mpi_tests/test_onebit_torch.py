@@ -342,7 +342,7 @@ def test_horovod_resume_idiom_broadcast_optimizer_state(horovod):
 
 # ----------------------------------------------------------------------------- alone (no collectives)
 def test_alone_it_is_lamb_during_the_warm_up_and_the_rule_after():
-    """Single process: with bias_correction and freeze_step beyond the run it is ALGORITHM.md's
+    """Single process: with bias_correction and freeze_step beyond the run it is docs/algorithm.md's
     LAMB (= SLAMB at ratio 1 alone); through the compression stage it is the simulation at P = 1."""
     kw = dict(lr=0.02, eps=1e-6, weight_decay=0.01)
     a, b = make_model(6), make_model(6)

@@ -10,7 +10,7 @@ SLAMB, top-k with error feedback, 1-bit LAMB. Recipes: AMP's ``GradScaler`` (wit
 
 Every recipe is checked against its reference: the same run without the recipe where the
 arithmetic is the same (bitwise: a GradScaler's power-of-two scale is exact, a closure is the
-same computation), and the float64 dense formulas of ALGORITHM.md (``torch_reference``) where
+same computation), and the float64 dense formulas of docs/algorithm.md (``torch_reference``) where
 the recipe changes the arithmetic (clipping). Failures are collected and raised on every rank
 after the test's last collective. No test asserts a timing.
 """
@@ -259,7 +259,7 @@ def test_inf_on_one_rank_every_rank_skips_alike(build, path, kind, recipe):
 @pytest.mark.parametrize("path", PATHS)
 def test_slamb_clipping_after_backward_is_the_idiom_and_section_1(build, path):
     """``clip_grad_norm_`` between ``backward()`` and ``step()`` gives bitwise what Horovod's
-    idiom (synchronize, clip, step under skip_synchronize) gives, and ALGORITHM.md section 1 on
+    idiom (synchronize, clip, step under skip_synchronize) gives, and docs/algorithm.md section 1 on
     each rank's clipped gradient; the momentum is exchanged once per step (the first step
     twice: its hooks' exchange is redone, and later steps exchange from step())."""
     model_a, net_a, opt_a = build(path, "slamb")
@@ -295,7 +295,7 @@ def test_slamb_clipping_after_backward_is_the_idiom_and_section_1(build, path):
 @pytest.mark.parametrize("path", ["plain", "horovod"])
 def test_topk_clipping_after_backward_exchanges_the_clipped_gradient(build, path):
     """Without ``synchronize()``, clipping after ``backward()`` clips each rank's own gradient
-    and the exchange (ALGORITHM.md section 2) starts from it."""
+    and the exchange (docs/algorithm.md section 2) starts from it."""
     model, net, opt = build(path, "topk")
     twin = make_model(1)
     ref = RefTopK(twin, torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9), topk_counts(RATIO), P)

@@ -1,4 +1,4 @@
-"""SLAMB on flat buffers over MPI, against the dense reference of ALGORITHM.md section 1."""
+"""SLAMB on flat buffers over MPI, against the dense reference of docs/algorithm.md section 1."""
 
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@
 * ``nccl``: :class:`NCCLTransport` on the double's NCCL, which runs its collectives over MPI.
 
 Each is compared with the NumPy path, and SLAMB with the dense float64 reference of
-ALGORITHM.md section 1, at 1, 2 and 4 ranks; host reads per step are counted. The transports'
+docs/algorithm.md section 1, at 1, 2 and 4 ranks; host reads per step are counted. The transports'
 own defects (NCCL's stream ordering, asking MPI whether it is CUDA-aware) are tested here
 too: they initialise MPI, which must not happen in the single-process suite (an ``mpirun``
 started later from that process would fail).

@@ -5,7 +5,7 @@
 (also at 1 and 2 ranks). mpirun only starts the processes and hands rank 0's free port to
 the others; every exchange goes through a torch.distributed gloo process group, as under
 torchrun. Each test compares the library with the dense references of torch_reference.py
-(ALGORITHM.md section 1 for SLAMB, section 2 for top-k), for the plain DistributedOptimizer
+(docs/algorithm.md section 1 for SLAMB, section 2 for top-k), for the plain DistributedOptimizer
 and for the DDP communication hooks. No test asserts a timing.
 """
 

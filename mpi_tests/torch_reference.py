@@ -1,4 +1,4 @@
-"""Dense references of ALGORITHM.md sections 1 and 2 for the torch adapters' MPI tests, with the
+"""Dense references of docs/algorithm.md sections 1 and 2 for the torch adapters' MPI tests, with the
 small model and the seeded per-rank data they share (no collective here: the tests bring their
 framework's, Horovod's or torch.distributed's).
 
@@ -80,7 +80,7 @@ def maxdiff(a, b):
 
 
 class RefSlamb:
-    """ALGORITHM.md section 1, densely, in float64, for ``rows`` simulated ranks over the tensors
+    """docs/algorithm.md section 1, densely, in float64, for ``rows`` simulated ranks over the tensors
     ``shapes`` (one SLAMB bucket). ``P`` is the number of ranks of the exchange (the divisor of the
     momentum mean and the ``lr / sqrt(P)`` of stale elements). ``step(..., active=rows)``: only
     those rows step (a joined rank contributes zeros to the mean; the periodic sync averages the
@@ -143,7 +143,7 @@ class RefSlamb:
 
 
 def replay_freshness(mask_of, steps, n, beta3):
-    """The freshness after ``steps`` steps of the masks ``mask_of(t)`` (ALGORITHM.md 1.4)."""
+    """The freshness after ``steps`` steps of the masks ``mask_of(t)`` (docs/algorithm.md 1.4)."""
     f = np.ones(n)
     for t in range(1, steps + 1):
         f = beta3 * f
@@ -162,7 +162,7 @@ def topk_counts(ratio, dense_threshold=None, shapes=SHAPES):
 
 
 class RefTopK:
-    """ALGORITHM.md section 2 for ``rows`` simulated ranks (float32 like the wire), and the wrapped
+    """docs/algorithm.md section 2 for ``rows`` simulated ranks (float32 like the wire), and the wrapped
     torch optimizer stepping a twin model on the mean."""
 
     def __init__(self, twin, twin_opt, counts, rows):

@@ -5,7 +5,7 @@ communicator strings these together with a transport. The masks M_t live in
 :mod:`slamb_comm.masks`.
 
 * :class:`Layout`: many tensors viewed as one contiguous fused buffer, with the
-  always-dense rule of ALGORITHM.md section 1 (ndim <= 1 or fewer than
+  always-dense rule of docs/algorithm.md section 1 (ndim <= 1 or fewer than
   ``dense_threshold`` elements). It keeps O(number of tensors) numbers, never an
   array of positions.
 * :func:`topk_indices`: exact top-k by magnitude; :func:`k_elems` the fixed count
@@ -65,7 +65,7 @@ class Layout:
         dtype: the one dtype of the fused buffer (float16, float32 or float64).
         names: optional names (default ``"0"``, ``"1"``, ...), used in error messages.
         dense_threshold: tensors with ndim <= 1 or fewer elements than this are always
-            sent whole by masked exchanges (ALGORITHM.md section 1).
+            sent whole by masked exchanges (docs/algorithm.md section 1).
 
     Attributes:
         sizes, offsets: element counts and start offsets of each tensor in the buffer.
@@ -271,7 +271,7 @@ class TopK:
 
     Per tensor, each rank sends the ``max(1, round(ratio * n))`` entries of largest
     magnitude of ``gradient + error`` and keeps the rest in its error buffer; every rank
-    receives all ranks' entries and averages them (ALGORITHM.md section 2); then the
+    receives all ranks' entries and averages them (docs/algorithm.md section 2); then the
     wrapped optimizer steps on that mean. The allgather's bytes grow with the number of
     ranks: it beats a dense allreduce only while about ``P * ratio * (value + 4 index
     bytes) < 8`` (fp32 dense).
@@ -284,7 +284,7 @@ class TopK:
             skips it too; logged and counted); ``'raise'``: every rank raises NonFiniteError.
             Either way the error buffers do not change.
         dense_threshold: ``None`` (default): no tensor is always dense, every tensor sends
-            its ``max(1, round(ratio * n))`` entries, as ALGORITHM.md section 2 says. An int T:
+            its ``max(1, round(ratio * n))`` entries, as docs/algorithm.md section 2 says. An int T:
             tensors with ndim <= 1 or fewer than T elements are sent whole every step (SLAMB's
             always-dense rule; biases and small tensors then cost ``n * (value + 4)`` bytes
             but carry no error buffer drift).

@@ -7,7 +7,7 @@ the layout and options, and share a random seed broadcast from rank 0. Then:
 * :meth:`Communicator.masked_allreduce` -- ``x[M_t] = mean over ranks of x[M_t]``, in
   place, for the shared mask M_t of step t (SLAMB's momentum exchange);
 * :meth:`Communicator.sparse_allgather` -- top-k with error feedback: returns the mean
-  over ranks of every rank's decoded top-k of ``g + e`` (ALGORITHM.md section 2);
+  over ranks of every rank's decoded top-k of ``g + e`` (docs/algorithm.md section 2);
 * :meth:`Communicator.sync` -- the dense mean of the whole buffer, in place (periodic
   parameter sync, and the dense baseline).
 
@@ -91,16 +91,18 @@ class Communicator:
         seed: the mask seed. Whatever each rank passes, rank 0's value is broadcast and
             used by all; ``None`` lets rank 0 draw one. No global RNG is touched.
         dense_threshold: tensors with ndim <= 1 or fewer elements are always exchanged
-            whole by the masked allreduce.
+            whole by the masked allreduce (default 9000). ``names`` and ``dense_threshold``
+            are for a list of arrays; a :class:`Layout` carries its own (ConfigError if given
+            beside one).
         block: run length of the cyclic mask. 1 (default) permutes single elements, as
-            ALGORITHM.md section 1 says; a larger value (e.g. 256) permutes runs of that
+            docs/algorithm.md section 1 says; a larger value (e.g. 256) permutes runs of that
             many contiguous elements, so the masked allreduce's gather and scatter copy
             whole runs instead of scattered elements (see :class:`~slamb_comm.masks.CyclicMask`).
         bucket_bytes: the most scratch :meth:`sync` uses (default 32 MiB): arrays larger
             than that are averaged in several allreduces.
         topk_dense: if True, :meth:`sparse_allgather` sends the always-dense tensors (see
             ``dense_threshold``) whole; by default every tensor sends its top-k, as
-            ALGORITHM.md section 2 says.
+            docs/algorithm.md section 2 says.
 
     Raises (on every rank, never on one only):
         ConfigError: ratio, mask or threshold out of range or unknown.
@@ -119,7 +121,7 @@ class Communicator:
         mask="cyclic",
         value_dtype=None,
         seed=None,
-        dense_threshold=9000,
+        dense_threshold=None,
         block=1,
         bucket_bytes=32 << 20,
         topk_dense=False,
@@ -135,10 +137,15 @@ class Communicator:
         try:
             self.ratio = check_ratio(ratio)
             if isinstance(arrays, Layout):
+                if names is not None or dense_threshold is not None:
+                    raise ConfigError("names and dense_threshold belong to the Layout when one is given: pass "
+                                      "Layout(shapes, dtype, names=..., dense_threshold=...), or pass the arrays "
+                                      "themselves with names= and dense_threshold=")
                 self.layout = arrays
             else:
                 arrs = [_arr.as_array(a) for a in arrays]
-                self.layout = Layout.from_arrays(arrs, names=names, dense_threshold=dense_threshold)
+                self.layout = Layout.from_arrays(arrs, names=names,
+                                                 dense_threshold=9000 if dense_threshold is None else dense_threshold)
             self.value_dtype = _arr.value_dtype(self.layout.dtype if value_dtype is None else value_dtype)
             if mask not in ("cyclic", "bernoulli", "topk"):
                 raise ConfigError(f"unknown mask {mask!r}; choose one of ['bernoulli', 'cyclic', 'topk']")
@@ -395,7 +402,7 @@ class Communicator:
             return self.mask.select(step, xp, views, self.transport)
         return self.mask.select(step, xp)
 
-    def masked_allreduce(self, x, step, local_nonfinite=False):
+    def masked_allreduce(self, x, step):
         """In place: ``x[M_t] = mean over ranks of x[M_t]`` for the shared mask of ``step``.
 
         One allreduce of the |M_t| masked values (plus a status slot) and one host read.
@@ -403,17 +410,14 @@ class Communicator:
         Args:
             x: the fused buffer (or list of arrays) holding this rank's values.
             step: the 1-based step t that selects M_t (the same on every rank).
-            local_nonfinite: set by a caller that found non-finite values this rank does
-                not send now (e.g. elsewhere in its momentum); every rank then raises
-                :class:`~slamb_comm.errors.NonFiniteError` naming this rank, and nothing changes.
 
         Returns:
             ``x``, and the positions M_t in the fused buffer (an int array, in payload order).
         """
-        x, sel = self._masked_allreduce(x, step, local_nonfinite)
+        x, sel = self._masked_allreduce(x, step)
         return x, sel.index
 
-    def _masked_allreduce(self, x, step, local_nonfinite):
+    def _masked_allreduce(self, x, step):
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ConfigError(f"step must be an integer >= 1, got {step!r}")
         t0 = time.perf_counter()
@@ -432,7 +436,7 @@ class Communicator:
             traffic = (lambda *times: Traffic(1, payload, allreduce_wire(payload, self.size), dense,
                                               allreduce_wire(dense, self.size), m, self.layout.total, *times))
             with self.stats.failed("masked_allreduce", lambda: traffic(t1 - t0, time.perf_counter() - t1, 0.0)):
-                self.reduce_checked(buf, problem, local_nonfinite, f"masked_allreduce at step {step}",
+                self.reduce_checked(buf, problem, False, f"masked_allreduce at step {step}",
                                     (sel.starts, sel.counts),
                                     sent=lambda: _take(xp, sel, views, xp.empty(m, self.value_dtype)))
             t2 = time.perf_counter()
@@ -449,7 +453,7 @@ class Communicator:
         return x, sel
 
     def sparse_allgather(self, x, commit=True):
-        """Top-k exchange with error feedback (ALGORITHM.md section 2).
+        """Top-k exchange with error feedback (docs/algorithm.md section 2).
 
         ``c = x + e``; send each tensor's ``k_elems`` largest ``|c|``; ``e = c - sent``;
         return the mean over ranks of every rank's decoded payload, identical on every

@@ -1,4 +1,4 @@
-"""The shared masks M_t of ALGORITHM.md section 1 (step 2), derived per tensor when needed.
+"""The shared masks M_t of docs/algorithm.md section 1 (step 2), derived per tensor when needed.
 
 No mask keeps an array of positions for the run: a step's positions are derived from the
 seed and the step when a tensor needs them, and dropped after. What a mask hands out is a
@@ -343,10 +343,6 @@ class _Geometry:
     def count(self, j):
         h, t = self.picked(self.head, j), self.picked(self.tail, j)
         return (h[1] - h[0]) + self.G * self.B + (t[1] - t[0])
-
-    def all_chunks(self):
-        """The chunk of every element of the tensor (a host int array; O(n): for inspection)."""
-        return self.chunks(0, self.n, np)
 
     def chunks(self, lo, hi, xp):
         """The chunk of every element of ``[lo, hi)`` (an int64 array on ``xp``; O(hi - lo))."""

@@ -70,7 +70,7 @@ class OneBitLamb:
         factor_max, factor_min, factor_threshold: bounds of the compression stage's factor φ,
             and of its change per step (a fraction of the previous φ).
         bias_correction: False (default): DeepSpeed's rule, no bias correction. True: the warm-up
-            is ALGORITHM.md's LAMB on the mean gradient (``m / (1 - b1^t)``, ``v / (1 - b2^t)``),
+            is docs/algorithm.md's LAMB on the mean gradient (``m / (1 - b1^t)``, ``v / (1 - b2^t)``),
             and the compression stage divides m by ``1 - b1^t``, the frozen v by
             ``1 - b2^freeze_step`` and f by ``1 - b2^t``.
         on_nonfinite: 'skip' (default): a step with a NaN/Inf gradient on any rank is skipped by

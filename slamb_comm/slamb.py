@@ -1,4 +1,4 @@
-"""The SLAMB update rule on fused flat buffers (ALGORITHM.md section 1).
+"""The SLAMB update rule on fused flat buffers (docs/algorithm.md section 1).
 
 :class:`Slamb` owns the optimizer state of one fused buffer of parameters -- momentum
 ``m`` and second moment ``v``, each one flat array -- and does one step:
@@ -32,7 +32,7 @@ What it costs (N parameters, fp32):
   operations (about 50, 63 on a sync step, at any number of tensors); lists of arrays go
   tensor by tensor (about 150 operations per tensor).
 
-Tuning guide (from the paper and ALGORITHM.md section 5):
+Tuning guide (from the paper and docs/algorithm.md section 5):
 
 * ``ratio`` (k, on the communicator): the fraction of the momentum exchanged per step.
   0.1 is the paper's default; the bytes per step are about ``k + 1/H`` of dense LAMB's,

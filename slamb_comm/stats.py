@@ -1,4 +1,4 @@
-"""Byte and time statistics of exchanges (ALGORITHM.md section 4).
+"""Byte and time statistics of exchanges (docs/algorithm.md section 4).
 
 Payload = the bytes a rank hands to the collective. Wire bytes estimate what crosses
 each rank's link: ``2 (P - 1) / P * payload`` for a ring allreduce, ``(P - 1) * payload``

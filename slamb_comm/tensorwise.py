@@ -227,7 +227,7 @@ class TensorwiseStep:
         ``(t - 1) % H == 0``. ``written(i)`` is called once tensor i of ``x`` is final.
 
         ``skip``: tensors that had no gradient on any rank at this step (the caller's agreement).
-        They are left exactly as they are (ALGORITHM.md section 1, "Parameters without a
+        They are left exactly as they are (docs/algorithm.md section 1, "Parameters without a
         gradient"): no moment decay, no update, freshness unchanged. With the cyclic mask such
         a tensor's freshness is stored from then on (4 bytes per element of that tensor), since
         it no longer follows the schedule.

@@ -1,6 +1,6 @@
 """Unit and property tests of slamb_comm.codecs: layout, top-k, masks, the wire layout.
 
-Everything is checked against ALGORITHM.md sections 1, 2 and 4, with no communication
+Everything is checked against docs/algorithm.md sections 1, 2 and 4, with no communication
 (LocalTransport only).
 """
 

@@ -1,5 +1,5 @@
 """Single-process tests of Communicator(None, ...): semantics at P = 1, input validation,
-non-finite handling, statistics (ALGORITHM.md section 4) and DLPack in-place updates."""
+non-finite handling, statistics (docs/algorithm.md section 4) and DLPack in-place updates."""
 
 import copy
 import math
@@ -41,7 +41,7 @@ def comm_for(arrays=None, **kw):
 
 
 def ref_topk(c, layout, ratio, vdt=np.float32):
-    """Reference of ALGORITHM.md section 2, one rank: the decoded top-k of c, per tensor."""
+    """Reference of docs/algorithm.md section 2, one rank: the decoded top-k of c, per tensor."""
     sent = np.zeros_like(c)
     for o, n in layout.segments():
         seg = c[o : o + n]
@@ -621,7 +621,7 @@ def test_sync_averages_over_the_ranks_that_took_part(dtype):
 @pytest.mark.parametrize("topk_dense", [False, True])
 def test_sparse_allgather_topk_dense_sends_always_dense_tensors_whole(topk_dense):
     """``topk_dense=True``: the layout's always-dense tensors (here the 1-D bias) go whole; by
-    default every tensor sends its k_elems (ALGORITHM.md section 2)."""
+    default every tensor sends its k_elems (docs/algorithm.md section 2)."""
     arrays = make_arrays(5)
     comm = comm_for(arrays, ratio=0.1, dense_threshold=9000, topk_dense=topk_dense)
     lay = comm.layout
@@ -722,7 +722,7 @@ class _ThreadTransport:
 
 
 def per_tensor_exchange(lay, ratio, vdt, xs, es, whole_dense=False, skip=()):
-    """The top-k exchange of ALGORITHM.md section 2 as slamb_comm computed it tensor by tensor
+    """The top-k exchange of docs/algorithm.md section 2 as slamb_comm computed it tensor by tensor
     (before the fused path), operation for operation, so its bits are the reference: per rank
     and tensor ``c = x + e``, the stable top-k (:func:`topk_indices_reference`), the values cast
     to the payload dtype; every rank's payload added tensor by tensor, rank after rank, in
@@ -973,3 +973,14 @@ def test_sparse_allgather_device_operations_do_not_grow_with_the_tensors(P, vdt,
     assert len(set(launches.values())) == 1 and launches[10] <= 64, (launches, counted[1000][1].by_op)
     assert all(c.h2d == 0 and c.syncs == 1 for _, c in counted.values()), counted
     assert all(c1.h2d <= 1 and c1.syncs == 1 for c1, _ in counted.values()), counted
+
+
+def test_a_layout_refuses_names_and_dense_threshold_beside_it():
+    """With a Layout, the names and the dense threshold are the Layout's: given again beside it,
+    they would be ignored, so the communicator refuses them and says where they go."""
+    lay = sc.Layout([(10, 10), (5,)], names=["w", "b"], dense_threshold=50)
+    for kw in ({"names": ["a", "b"]}, {"dense_threshold": 10}):
+        with pytest.raises(sc.ConfigError, match="belong to the Layout"):
+            sc.Communicator(None, lay, **kw)
+    comm = sc.Communicator(None, lay)
+    assert comm.layout.names == ["w", "b"] and comm.layout.dense_threshold == 50

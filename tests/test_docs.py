@@ -2,6 +2,9 @@
 
 import doctest
 import inspect
+import pathlib
+import re
+import subprocess
 
 import pytest
 
@@ -59,3 +62,68 @@ def test_package_doctest():
     result = doctest.testmod(slamb_comm, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.attempted > 0, "slamb_comm/__init__.py should carry a runnable example"
     assert result.failed == 0
+
+
+# ----------------------------------------------------------------------------- the adapters' public names
+def _adapter_names():
+    out = []
+    for mod in ("torch", "horovod"):
+        try:
+            m = __import__(f"slamb_comm.adapters.{mod}", fromlist=["__all__"])
+        except ImportError:  # horovod not installed: its adapter cannot be imported
+            continue
+        out += [(mod, n) for n in getattr(m, "__all__", [])]
+    return out
+
+
+@pytest.mark.parametrize("mod,name", _adapter_names(), ids=[f"{m}.{n}" for m, n in _adapter_names()])
+def test_adapter_public_name_has_docstring(mod, name):
+    obj = getattr(__import__(f"slamb_comm.adapters.{mod}", fromlist=[name]), name)
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    assert doc and doc.strip(), f"slamb_comm.adapters.{mod}.{name} has no docstring"
+
+
+# ----------------------------------------------------------------------------- citations
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUTSIDE = ("ALGO" + "RITHM.md", "../" + "shared")  # spelled so that this file does not cite them
+
+
+def _repo_files():
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    names = out.stdout.split() if out.returncode == 0 else [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")]
+    return [ROOT / n for n in names if n.endswith((".py", ".md", ".cfg", ".sh", ".txt")) and (ROOT / n).is_file()]
+
+
+def _headings(doc):
+    """The section numbers a docs page has: '## 3. Title' gives '3', '### 2.4 Title' gives '2.4'."""
+    return set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.?\s", doc.read_text(), re.M))
+
+
+def test_every_citation_points_inside_the_repository():
+    """No file cites a page outside the repository; every docs page a file names exists, and so
+    does every section it names ('docs/algorithm.md section 2', 'sections 1, 2 and 4')."""
+    problems = []
+    cite = re.compile(r"(?:docs/)?([a-z_]+\.md)`?(?:'s)?,?\s+sections?\s+((?:\d+(?:\.\d+)*(?:,\s*|\s+and\s+)?)+)")
+    for f in _repo_files():
+        text = f.read_text(errors="replace")
+        rel = f.relative_to(ROOT)
+        for bad in OUTSIDE:
+            if bad in text:
+                problems.append(f"{rel}: cites {bad}")
+        for page in re.findall(r"docs/([A-Za-z0-9_]+\.md)", text):
+            if not (ROOT / "docs" / page).is_file():
+                problems.append(f"{rel}: docs/{page} does not exist")
+        for page, nums in cite.findall(text):
+            doc = ROOT / "docs" / page
+            if not doc.is_file():
+                continue  # another file's name (README.md section ...), not a docs page
+            have = _headings(doc)
+            for n in re.findall(r"\d+(?:\.\d+)*", nums):
+                if n not in have:
+                    problems.append(f"{rel}: docs/{page} has no section {n}")
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_the_readme_links_the_algorithm_in_its_first_screen():
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:40])
+    assert "docs/algorithm.md" in head

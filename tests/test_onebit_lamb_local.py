@@ -1,6 +1,6 @@
 """Single-process tests of the 1-bit LAMB rule (slamb_comm.onebit_lamb, docs/onebit_lamb.md
 section 2 with section 3's choices) against its float64 simulation (tests/onebit_reference.py),
-against ALGORITHM.md's LAMB (the warm-up with bias correction), and for failures, state and the
+against docs/algorithm.md's LAMB (the warm-up with bias correction), and for failures, state and the
 CuPy branch (strict double)."""
 
 import pickle

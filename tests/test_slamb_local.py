@@ -39,7 +39,7 @@ def test_skipped_step_leaves_state_untouched_in_one_process():
 
 def test_derived_freshness_is_the_simulated_one():
     """The cyclic mask's freshness is derived from the schedule, not stored: it equals
-    ``f = b3 f; f[M_t] = 1`` simulated from the masks themselves (ALGORITHM.md section 1, step 4)."""
+    ``f = b3 f; f[M_t] = 1`` simulated from the masks themselves (docs/algorithm.md section 1, step 4)."""
     x = [np.ones((40, 300), np.float32), np.ones(30, np.float32), np.ones((70, 150), np.float32)]
     comm = sc.Communicator(None, x, ratio=0.3, seed=8, dense_threshold=100)
     opt = Slamb(comm, lr=0.01, beta3=0.8)

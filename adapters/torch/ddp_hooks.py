@@ -48,7 +48,7 @@ class SlambHookState:
     * ``value_dtype='float16'`` halves the payload (values beyond +-65504 skip the step).
     * ``sync_interval`` (H): parameters are averaged every H steps (paper: 100).
     * ``beta3``: sweep it with the learning rate (0.9-0.999); it matters as much as lr at short
-      budgets (ALGORITHM.md section 5).
+      budgets (docs/algorithm.md section 5).
     * DDP's ``bucket_cap_mb`` sets how soon a bucket's exchange starts; smaller buckets start
       earlier.
 
@@ -176,7 +176,7 @@ class TopKHookState:
 
 def topk_hook(state, bucket):
     """DDP communication hook: the bucket becomes the mean over ranks of every rank's decoded
-    top-k of (gradient + error buffer), ALGORITHM.md section 2."""
+    top-k of (gradient + error buffer), docs/algorithm.md section 2."""
     buf = bucket.buffer()
     params = bucket.parameters()
     dt = state_dtype(buf.dtype)

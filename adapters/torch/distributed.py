@@ -53,7 +53,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
       dense gradient allreduce of the warm-up, then the 1-bit momentum exchange, and the update.
     * ``compression`` is a :class:`slamb_comm.TopK`: any optimizer; at ``step()`` (or
       ``synchronize()``) the gradients go through the error-feedback top-k exchange of
-      ALGORITHM.md section 2 and the optimizer steps on their mean.
+      docs/algorithm.md section 2 and the optimizer steps on their mean.
 
     Otherwise ValueError: for dense gradient averaging use ``DistributedDataParallel``.
     ``synchronize()`` / ``skip_synchronize()`` (gradient clipping), ``backward_passes_per_step``,

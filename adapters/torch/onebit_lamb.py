@@ -56,7 +56,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     exchange (signs, one scale per rank and chunk), the LAMB coefficient frozen and rescaled by
     a bounded factor. Alone (no ``DistributedOptimizer``) it is that rule with P = 1 (no
     exchange; with ``bias_correction=True`` and ``freeze_step`` beyond the run, exactly
-    ALGORITHM.md's LAMB). Wrapped by :func:`DistributedOptimizer` (torch.distributed) or
+    docs/algorithm.md's LAMB). Wrapped by :func:`DistributedOptimizer` (torch.distributed) or
     :func:`slamb_comm.adapters.horovod.DistributedOptimizer` it runs over all P ranks of the
     group. The exchange happens inside ``step()``, after the backward pass (no overlap with
     it); ``synchronize()`` only agrees on the step (one small allgather), and ``p.grad`` stays

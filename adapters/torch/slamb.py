@@ -50,7 +50,7 @@ class SLAMB(torch.optim.Optimizer):
     entries on a shared mask M_t (a ``ratio`` fraction of each large tensor, all of every
     small or 1-D tensor) are averaged over the ranks, stale entries move with a rate that
     slides from ``lr`` to ``lr / sqrt(P)`` by their freshness, and the parameters are
-    averaged every ``sync_interval`` steps. The math is ALGORITHM.md section 1, computed by
+    averaged every ``sync_interval`` steps. The math is docs/algorithm.md section 1, computed by
     :class:`slamb_comm.slamb.Slamb` on fused flat buffers.
 
     Args:
@@ -225,8 +225,7 @@ class SLAMB(torch.optim.Optimizer):
             layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
                             dense_threshold=int(g0["dense_threshold"]))
             e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key[3][4],
-                                  value_dtype=g0["value_dtype"], seed=g0["seed"],
-                                  dense_threshold=int(g0["dense_threshold"]))
+                                  value_dtype=g0["value_dtype"], seed=g0["seed"])
             e.wire = e.comm.value_dtype
             e.rule = Slamb(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
