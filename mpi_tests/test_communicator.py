@@ -1,4 +1,5 @@
-"""Communicator over MPI (pytest-mpi), against the dense references of docs/algorithm.md 1-4.
+"""Communicator over MPI (pytest-mpi), against the dense references of docs/algorithm.md
+sections 1, 2, 3 and 4.
 
 Run:  bash scripts/mpirun.sh 4 600 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_communicator.py
 

@@ -143,7 +143,8 @@ class RefSlamb:
 
 
 def replay_freshness(mask_of, steps, n, beta3):
-    """The freshness after ``steps`` steps of the masks ``mask_of(t)`` (docs/algorithm.md 1.4)."""
+    """The freshness after ``steps`` steps of the masks ``mask_of(t)`` (docs/algorithm.md
+    section 1, step 4)."""
     f = np.ones(n)
     for t in range(1, steps + 1):
         f = beta3 * f

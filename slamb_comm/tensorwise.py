@@ -87,12 +87,20 @@ class TensorwiseStep:
         return BLOCK if xp is np else None
 
     def _check(self, xp, g):
-        """Whether the gradient (a range of it) is bad: a NaN or Inf, or a sum of squares that
-        overflows (so would v). A host bool on the CPU, a 0-d device array on a GPU."""
+        """Whether the gradient (a range of it) is bad: a NaN or Inf, or an element whose square
+        overflows v (``|g| >= sqrt(max)`` of the dtype; docs/algorithm.md section 9). A host
+        bool on the CPU, a 0-d device array on a GPU."""
         if g.size == 0:
             return False
-        sq = xp.dot(g, g)  # one BLAS pass: NaN and Inf survive it
-        return not bool(np.isfinite(sq)) if xp is np else ~xp.isfinite(sq)
+        if xp is not np:
+            return ~xp.isfinite(xp.dot(g, g))
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq = np.dot(g, g)  # one BLAS pass: NaN and Inf survive it
+            if np.isfinite(sq):
+                return False
+            # the sum of squares overflowed: bad only if one element's square does (as the fused
+            # step decides), not when finite squares add up past the dtype's max (rare: one more pass)
+            return not bool(np.isfinite(np.square(g)).all())
 
     def accumulate(self, i, g_i, out=None):
         """Take tensor ``i``'s gradient for the open step (nothing is committed yet).

@@ -101,7 +101,8 @@ def _headings(doc):
 
 def test_every_citation_points_inside_the_repository():
     """No file cites a page outside the repository; every docs page a file names exists, and so
-    does every section it names ('docs/algorithm.md section 2', 'sections 1, 2 and 4')."""
+    does every section it names ('docs/algorithm.md section 2', 'sections 1, 2 and 4'), which it
+    names as sections (not as a bare '1.4' after the page's name, which this test could not check)."""
     problems = []
     cite = re.compile(r"(?:docs/)?([a-z_]+\.md)`?(?:'s)?,?\s+sections?\s+((?:\d+(?:\.\d+)*(?:,\s*|\s+and\s+)?)+)")
     for f in _repo_files():
@@ -113,6 +114,8 @@ def test_every_citation_points_inside_the_repository():
         for page in re.findall(r"docs/([A-Za-z0-9_]+\.md)", text):
             if not (ROOT / "docs" / page).is_file():
                 problems.append(f"{rel}: docs/{page} does not exist")
+        for page, num in re.findall(r"docs/([A-Za-z0-9_]+\.md)`?\s+(\d[\d.-]*)", text):
+            problems.append(f"{rel}: docs/{page} {num}: name it as 'section N' (checked), not a bare number")
         for page, nums in cite.findall(text):
             doc = ROOT / "docs" / page
             if not doc.is_file():
