@@ -11,11 +11,9 @@ for all ranks. Failures are collected and raised on every rank at the end of a t
 last collective, so that no rank is left waiting. No test asserts a timing.
 """
 
-import datetime
 import hashlib
 import io
 import os
-import socket
 import sys
 
 import numpy as np
@@ -40,27 +38,6 @@ BAD = P - 1  # the rank that misbehaves in the failure tests
 
 
 # ----------------------------------------------------------------------------- process groups
-@pytest.fixture(scope="module")
-def gloo():
-    port = None
-    if ME == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = WORLD.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=P,
-                            timeout=datetime.timedelta(seconds=90))
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def horovod():
-    hvd = pytest.importorskip("horovod.torch")
-    hvd.init()
-    return hvd
-
-
 @pytest.fixture(params=["torch", "horovod"])
 def wrap(request):
     """``wrap(optimizer, model)``: the backend's DistributedOptimizer around ``optimizer``."""

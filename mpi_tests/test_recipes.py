@@ -15,10 +15,8 @@ the recipe changes the arithmetic (clipping). Failures are collected and raised 
 after the test's last collective. No test asserts a timing.
 """
 
-import datetime
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -46,27 +44,6 @@ RATIO = 0.25
 
 
 # ----------------------------------------------------------------------------- process groups
-@pytest.fixture(scope="module")
-def gloo():
-    port = None
-    if ME == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = WORLD.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=P,
-                            timeout=datetime.timedelta(seconds=90))
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def horovod():
-    hvd = pytest.importorskip("horovod.torch")
-    hvd.init()
-    return hvd
-
-
 def inner_optimizer(kind, model):
     if kind == "slamb":
         return st.SLAMB(model.parameters(), lr=0.02, ratio=RATIO, beta3=0.9, weight_decay=0.01, sync_interval=3,

@@ -81,12 +81,13 @@ class Plan:
         self.seg = put(offsets[ne])
         self.ne = put(ne)
         comp = list(lay.compressible) if C > 1 else []
-        dense = [i for i in range(T) if lay.sizes[i] and i not in set(comp)]
+        is_comp = set(comp)
+        dense = [i for i in range(T) if lay.sizes[i] and i not in is_comp]
         # payload counts per chunk: every element of a dense tensor, the mask's count otherwise
         self.counts = np.zeros((C, T), np.int64)
         for j in range(C):
             for i in range(T):
-                self.counts[j, i] = mask.count_of_chunk(j, i) if i in set(comp) else lay.sizes[i]
+                self.counts[j, i] = mask.count_of_chunk(j, i) if i in is_comp else lay.sizes[i]
         self.starts = np.concatenate([np.zeros((C, 1), np.int64), np.cumsum(self.counts, axis=1)], axis=1)
         self.K = self.starts[:, -1].copy()  # payload size per chunk
         self.everything = not comp  # every element in every step's M_t

@@ -345,9 +345,12 @@ class Slamb(TensorwiseStep):
         """
         xp = _arr.namespace(_arr.as_array(x)) if hasattr(x, "shape") or hasattr(x, "__dlpack__") else None
         if xp is not None and _fused.applies(self, x, g, xp, skip):
+            t0 = self.t
             try:
                 return _fused.step(self, x, g, lr=lr, weight_decay=weight_decay, written=written)
             except NonFiniteError as e:
+                if self.t != t0:  # the update was applied; the periodic sync failed: raise, as apply() does
+                    raise
                 return self._skip(e, x)
         self.begin_step()
         try:

@@ -183,3 +183,17 @@ def test_device_operations_per_step_do_not_grow_with_tensors(double, ranks, H):
     assert launches <= 64, seen
     assert h2d == 0, seen
     assert syncs == (2 if ranks == 2 and H == 1 else 1), seen
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_failed_periodic_sync_raises_and_is_not_counted_as_a_skip(fused):
+    """Parameters that are not finite after the update make the periodic sync fail on every rank:
+    the step was applied, so it raises (both paths), and no skipped step is counted."""
+    opt = make(np, SHAPES, fused, sync_interval=1, transport=Twin())
+    rng = np.random.default_rng(0)
+    x = flat_of(rng, SHAPES)
+    x[3] = np.inf
+    with np.errstate(all="ignore"), pytest.raises(sc.NonFiniteError):
+        opt.step(x if fused else opt.layout.views(x), flat_of(rng, SHAPES) if fused
+                 else opt.layout.views(flat_of(rng, SHAPES)))
+    assert opt.skipped_steps == 0 and opt.t == 1

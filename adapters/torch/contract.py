@@ -38,6 +38,14 @@ def skip_synchronize(self):
         self._should_synchronize = True
 
 
+def zero_grad_when_idle(self, set_to_none=True):
+    """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+    ``backward()`` and ``step()``/``synchronize()``, while exchanges are pending."""
+    if self._pending:
+        raise AssertionError(ZERO_GRAD)
+    return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
 def add_param_group_before_wrapping(self, param_group):
     """Only during construction: the hooks and buckets of a wrapped optimizer are fixed once
     ``init_common`` has run (it sets ``_coll``)."""

@@ -11,6 +11,7 @@ import torch
 from slamb_comm.errors import ConfigError, PeerError
 
 from . import contract
+from .params import run_closure
 
 __all__ = ["DistributedOneBit"]
 
@@ -101,10 +102,7 @@ class DistributedOneBit(torch.optim.Optimizer):
         Outside the process set: the single-process step (P = 1)."""
         if not self._member:
             return super(self.__class__, self).step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._should_synchronize and self._synchronized:
             warnings.warn(contract.STEP_AFTER_SYNC)
         if not self._synchronized:
@@ -114,12 +112,7 @@ class DistributedOneBit(torch.optim.Optimizer):
         self._apply(*plan)
         return loss
 
-    def zero_grad(self, set_to_none=True):
-        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
-        ``backward()`` and ``step()``/``synchronize()``."""
-        if self._pending:
-            raise AssertionError(contract.ZERO_GRAD)
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+    zero_grad = contract.zero_grad_when_idle
 
     def load_state_dict(self, state_dict):
         """Forget any step in progress, then restore the state exactly (this rank's own error

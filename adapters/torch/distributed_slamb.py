@@ -21,7 +21,7 @@ from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerErro
 from slamb_comm.stats import Traffic, allreduce_wire
 
 from . import contract
-from .params import param_changed, params_changed
+from .params import param_changed, params_changed, run_closure
 from .tensors import Grads, Params, cuda_scope, torch_dtype
 
 __all__ = ["DistributedSlamb"]
@@ -486,10 +486,7 @@ class DistributedSlamb(torch.optim.Optimizer):
         step their optimizer on the local gradient."""
         if not self._member:
             return super(self.__class__, self).step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._raise_pending()
         if self._should_synchronize and self._synchronized:
             warnings.warn(contract.STEP_AFTER_SYNC)

@@ -17,7 +17,7 @@ from slamb_comm.errors import NonFiniteError
 from slamb_comm.stats import Traffic
 
 from . import contract
-from .params import param_changed, params_changed
+from .params import param_changed, params_changed, run_closure
 from .tensors import as_compute, cuda_scope, np_dtype, state_dtype, tensor_of
 
 __all__ = ["DistributedTopK", "amp_scale", "loss_scaled"]
@@ -201,10 +201,7 @@ class DistributedTopK(torch.optim.Optimizer):
         """Call ``closure`` (if any) first, as ``torch.optim`` does; synchronize (unless under
         ``skip_synchronize()``); then the wrapped optimizer's step on the mean (skipped, on every
         rank, after a non-finite gradient under ``on_nonfinite='skip'``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(contract.STEP_AFTER_SYNC)
@@ -216,12 +213,7 @@ class DistributedTopK(torch.optim.Optimizer):
         super(self.__class__, self).step()
         return loss
 
-    def zero_grad(self, set_to_none=True):
-        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
-        ``backward()`` and ``step()``/``synchronize()``."""
-        if self._pending:
-            raise AssertionError(contract.ZERO_GRAD)
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+    zero_grad = contract.zero_grad_when_idle
 
     def state_dict(self):
         """The wrapped optimizer's state, plus this rank's error buffers under ``'slamb_comm_topk'``."""

@@ -17,7 +17,7 @@ from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError
 from slamb_comm.onebit_lamb import OneBitLamb
 from slamb_comm.transports import LocalTransport
 
-from .params import Engine, param_changed, params_changed, saved_state_by_param
+from .params import Engine, param_changed, params_changed, run_closure, saved_state_by_param
 from .slamb import SLAMB
 from .tensors import Grads, Params, cuda_scope, state_dtype, tensor_of
 
@@ -308,10 +308,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One 1-bit LAMB step of every bucket (in a single process: P = 1)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         problem, bad, have, _ = self._status()
         if problem is not None:
             raise problem

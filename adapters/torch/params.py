@@ -3,8 +3,9 @@
 Horovod's naming checks on ``named_parameters`` (:func:`check_named_parameters`), the tests
 for a parameter (or the set of parameters) that changed after an optimizer was built
 (:func:`param_changed`, :func:`params_changed`), torch's mapping of a saved state dict onto
-the current parameters (:func:`saved_state_by_param`), and :class:`Engine`, the bucket of
-parameters that shares one Communicator and one core rule.
+the current parameters (:func:`saved_state_by_param`), :class:`Engine`, the bucket of
+parameters that shares one Communicator and one core rule, and :func:`run_closure`, torch.optim's
+closure contract that every optimizer of the package keeps.
 """
 
 import torch
@@ -13,7 +14,17 @@ from slamb_comm.errors import LayoutError
 
 from .tensors import np_dtype, state_dtype
 
-__all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine"]
+__all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine",
+           "run_closure"]
+
+
+def run_closure(closure):
+    """``step(closure)`` as ``torch.optim`` does it: the closure first, under ``torch.enable_grad()``
+    (steps run under ``no_grad``); its loss, or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def check_named_parameters(named_parameters, param_groups):

@@ -18,7 +18,7 @@ from slamb_comm.slamb import Slamb
 from slamb_comm.stats import Traffic
 from slamb_comm.transports import LocalTransport
 
-from .params import Engine, param_changed, saved_state_by_param
+from .params import Engine, param_changed, run_closure, saved_state_by_param
 from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
 
 __all__ = ["SLAMB"]
@@ -403,10 +403,7 @@ class SLAMB(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One SLAMB step of every parameter (in a single process: P = 1)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         engines = self._ensure_engines()
         for e in engines:  # before any bucket steps: a changed parameter changes nothing
             for i, p in enumerate(e.params):
