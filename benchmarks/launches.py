@@ -30,6 +30,14 @@ first step's one-time work are not counted):
 * ``onebit``: one :meth:`Communicator.onebit_allreduce` (signs and scales; on the double the
   signs are packed by the core's arithmetic fallback, as the double has no ``packbits``,
   where CuPy's ``packbits``/``unpackbits`` are one launch each).
+* ``adapter``: one ``step()`` of the torch optimizer ``SLAMB`` (``--ranks`` 1 only) and of
+  ``DistributedOptimizer(SLAMB)`` on a one-process gloo group, with ``fused=True`` (flat
+  buffers, the default for CUDA parameters) and ``fused=False`` (tensor by tensor), gradients
+  set by hand. The parameters are CPU tensors, handed to the core as the double's arrays
+  sharing their memory (``strict_cupy.torch_bridge``); the count is the core's device operations
+  plus torch's operations (``strict_cupy.aten_counter``: each at most one kernel on a GPU, a
+  ``_foreach_*`` call one). The distributed step holds the end-of-backward agreement, the step's
+  decision and the exchange; torch's host reads and copies are counted among its operations.
 
 At ``--ranks`` 1 (:class:`slamb_comm.LocalTransport`) and 2. One rank does not average
 anything: ``Slamb.apply`` skips the periodic sync at P = 1, so a "sync step" is an ordinary
@@ -188,6 +196,30 @@ def run_onebit(data, vdt, ranks, warmup, dense_threshold):
     return counted(lambda: comm.onebit_allreduce(g))
 
 
+def run_adapter(data, vdt, ranks, warmup, dense_threshold, form="fused", distributed=False):
+    import torch
+
+    from slamb_comm.adapters.torch import SLAMB, DistributedOptimizer
+
+    ps = [torch.nn.Parameter(torch.from_numpy(a)) for a in np.split(data.flat, np.cumsum(
+        [int(np.prod(s)) for s in data.shapes])[:-1])]
+    for p, s in zip(ps, data.shapes):
+        p.data = p.data.reshape(s)
+    opt = SLAMB(ps, lr=1e-3, weight_decay=0.01, ratio=0.1, value_dtype=vdt, dense_threshold=dense_threshold,
+                fused=form == "fused")
+    if distributed:
+        opt = DistributedOptimizer(opt, named_parameters=[(f"p{i}", p) for i, p in enumerate(ps)])
+    for t in range(max(warmup, 21) + 1):
+        for p in ps:
+            p.grad = torch.full_like(p, 1e-3 * (t + 1))
+        aten = strict_cupy.aten_counter()
+        with strict_cupy.counting() as c, aten:
+            opt.step()
+    c.launches += aten.n
+    c.by_op.update({f"torch.{k}": v for k, v in aten.by_op.items()})
+    return c
+
+
 def _fmt_ops(counter, per=1, top=8):
     return "; ".join(f"{k} {v / per:.3g}" for k, v in counter.most_common(top))
 
@@ -209,12 +241,17 @@ def measure(args):
                     jobs.append(("topk", vdt, ranks, "exchange", run_topk, opts))
                 if "onebit" in args.what:
                     jobs.append(("onebit", vdt, ranks, "exchange", run_onebit, opts))
+                for form in args.forms if "adapter" in args.what and ranks == 1 else ():
+                    jobs.append(("adapter", vdt, ranks, f"SLAMB.step, {form}", run_adapter, dict(opts, form=form)))
+                    jobs.append(("adapter", vdt, ranks, f"DistributedOptimizer.step, {form}", run_adapter,
+                                 dict(opts, form=form, distributed=True)))
         for what, vdt, ranks, kind, job, kw in jobs:
             c = job(**kw)
             rows.append({
                 "what": what, "payload": vdt, "ranks": ranks, "step": kind, "tensors": tensors,
                 "elements": total, "scale": args.scale, "dense_threshold": args.dense_threshold,
-                "measured_call": (max(args.warmup, 21) if kw.get("form") == "fused" else args.warmup) + 1,
+                "measured_call": (max(args.warmup, 21) if kw.get("form") == "fused" or what == "adapter"
+                                  else args.warmup) + 1,
                 "launches": c.launches, "h2d": c.h2d, "host_reads": c.syncs,
                 "launches_per_tensor": round(c.launches / tensors, 2), "h2d_per_tensor": round(c.h2d / tensors, 3),
                 "ops": _fmt_ops(c.by_op, top=100), "h2d_kinds": _fmt_ops(c.by_h2d), "read_kinds": _fmt_ops(c.by_sync),
@@ -254,7 +291,8 @@ def markdown(rows, args):
         hd = " / ".join(f"{r['h2d']:,}" for r in rs)
         rd = " / ".join(f"{r['host_reads']:,}" for r in rs)
         sl = _slope([(r["tensors"], r["launches"]) for r in rs])
-        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce"}[what]
+        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce",
+                "adapter": "torch adapter"}[what]
         out.append(f"| {name} | {vdt} | {ranks} | {kind} | {la} | {sl:.1f} | {hd} | {rd} |")
     out.append("")
     issue = "; ".join(f"{w} {k}: " + " / ".join(f"{v:,}" for v in d.values()) + " at "
@@ -267,7 +305,8 @@ def markdown(rows, args):
     out.append("|---|---|---|---|---|")
     for (what, vdt, ranks, kind), rs in groups.items():
         r = max(rs, key=lambda r: r["tensors"])
-        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce"}[what]
+        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce",
+                "adapter": "torch adapter"}[what]
         out.append(f"| {name} | {vdt} | {ranks} | {kind} | {_fmt_ops(r['_by_op'], per=r['tensors'], top=10)} |")
     return "\n".join(out)
 
@@ -276,7 +315,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", default=",".join(map(str, TENSORS)), help="layouts: numbers of tensors")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the 6,553,600 elements by this")
-    ap.add_argument("--what", default="slamb,topk,onebit", help="any of slamb, topk, onebit")
+    ap.add_argument("--what", default="slamb,topk,onebit", help="any of slamb, topk, onebit, adapter")
     ap.add_argument("--dtypes", default="float32,float16", help="payload dtypes")
     ap.add_argument("--ranks", default="1,2", help="1 (LocalTransport) and/or 2 (the twin transport)")
     ap.add_argument("--forms", default="fused,list",
@@ -298,7 +337,19 @@ def main(argv=None):
         ap.error("--warmup: at least 1 (the first call allocates the state)")
     with strict_cupy.install():
         strict_cupy.Device.current = 0
-        rows = measure(args)
+        if "adapter" not in args.what:
+            rows = measure(args)
+        else:
+            import tempfile
+
+            import torch.distributed as dist
+
+            with tempfile.TemporaryDirectory() as tmp, strict_cupy.torch_bridge():
+                dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+                try:
+                    rows = measure(args)
+                finally:
+                    dist.destroy_process_group()
     print(markdown(rows, args))
     if args.out:
         write_rows([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], args.out)

@@ -182,14 +182,16 @@ def close(a, b, rtol=2e-4, atol=2e-5):
 
 
 # ============================================================================= SLAMB vs section 1
-@pytest.mark.parametrize("ratio,value_dtype,block", [(0.1, "float32", 1), (1.0, "float32", 1), (0.1, "float16", 1),
-                                                     (0.1, "float32", 64)])
-def test_slamb_matches_dense_reference_every_step(ratio, value_dtype, block):
+# fused=True: flat buffers (the default on CUDA), the core's whole-buffer step from step()
+@pytest.mark.parametrize("ratio,value_dtype,block,fused", [
+    (0.1, "float32", 1, False), (1.0, "float32", 1, False), (0.1, "float16", 1, False), (0.1, "float32", 64, False),
+    (0.1, "float32", 1, True), (0.1, "float16", 1, True), (1.0, "float32", 1, True)])
+def test_slamb_matches_dense_reference_every_step(ratio, value_dtype, block, fused):
     P, rank, steps, H = hvd.size(), hvd.rank(), 22, 8
     model = make_model(1)
     shapes = [tuple(p.shape) for p in model.parameters()]
     opt = slamb_dist(model, lr=0.02, ratio=ratio, beta3=0.9, sync_interval=H, weight_decay=0.01,
-                     value_dtype=value_dtype, seed=7, block=block)
+                     value_dtype=value_dtype, seed=7, block=block, fused=fused)
     ref = RefSlamb(flat_params(model), shapes, P, lr=0.02, wd=0.01, beta3=0.9, H=H)
     (comm,) = opt.communicators
     assert comm.size == P and comm.mask.block == block
@@ -258,10 +260,11 @@ def test_ratio1_single_process_is_lamb_with_schedule_and_group_weight_decay():
             assert close(flat_params(model), ref[t - 1]), (variant, t)
 
 
-def test_params_bitwise_equal_right_after_periodic_sync():
+@pytest.mark.parametrize("fused", [False, True])
+def test_params_bitwise_equal_right_after_periodic_sync(fused):
     H = 4
     model = make_model(4)
-    opt = slamb_dist(model, lr=0.02, ratio=0.1, sync_interval=H)
+    opt = slamb_dist(model, lr=0.02, ratio=0.1, sync_interval=H, fused=fused)
     checks = []
 
     def after(t):
@@ -454,12 +457,12 @@ def test_parameter_without_gradient_on_some_ranks_does_not_hang(kind):
         assert model.side.weight.grad is not None and model.side.weight.grad.abs().sum() > 0
 
 
-def _clip_run(kind, mode, max_norm=0.05):
+def _clip_run(kind, mode, max_norm=0.05, fused=False):
     """mode: 'sync-clip' (synchronize, clip, step under skip_synchronize), 'preclipped'
     (gradients clipped before the optimizer ever sees them), 'plain' (no clipping)."""
     model = make_model(10)
     if kind == "slamb":
-        opt = slamb_dist(model, lr=0.02, ratio=0.25, sync_interval=50)
+        opt = slamb_dist(model, lr=0.02, ratio=0.25, sync_interval=50, fused=fused)
     else:
         opt = sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       named_parameters=model.named_parameters(), compression=sh.TopK(0.25))
@@ -489,10 +492,13 @@ def _clip_run(kind, mode, max_norm=0.05):
     return flat_params(model), opt
 
 
-def test_synchronize_skip_synchronize_with_clipping_slamb():
-    clipped, _ = _clip_run("slamb", "sync-clip")
-    pre, _ = _clip_run("slamb", "preclipped")
-    plain, _ = _clip_run("slamb", "plain")
+@pytest.mark.parametrize("fused", [False, True])
+def test_synchronize_skip_synchronize_with_clipping_slamb(fused):
+    clipped, opt = _clip_run("slamb", "sync-clip", fused=fused)
+    pre, _ = _clip_run("slamb", "preclipped", fused=fused)
+    plain, _ = _clip_run("slamb", "plain", fused=fused)
+    if fused:  # Horovod's clipping idiom costs one exchange per step on flat buffers
+        assert opt.communicators[0].stats.by_kind["masked_allreduce"].calls == 3
     assert close(clipped, pre, rtol=1e-5, atol=1e-6)  # clipping took effect, as if before the hooks
     assert not close(clipped, plain)
 
@@ -576,12 +582,13 @@ def test_backward_passes_per_step_accumulates(kind):
     o2.step()  # the two counted passes are exchanged; every rank takes part
 
 
-def test_broadcast_parameters_and_optimizer_state_at_startup_slamb():
+@pytest.mark.parametrize("fused", [False, True])
+def test_broadcast_parameters_and_optimizer_state_at_startup_slamb(fused):
     model = make_model(100 + hvd.rank())  # different on every rank
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     assert same_on_all_ranks(model, "bcast.params")
     opt = slamb_dist(model, lr=0.02, ratio=0.25, weight_decay=0.1, sync_interval=2,
-                     seed=1000 + hvd.rank())  # rank 0's mask seed wins
+                     seed=1000 + hvd.rank(), fused=fused)  # rank 0's mask seed wins
     before = flat_params(model)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert np.array_equal(flat_params(model), before)  # no step was taken (weight decay would move x)

@@ -73,8 +73,8 @@ def train_step(net, opt, t, scale=1.0):
     opt.step()
 
 
-def slamb_opt(model, **kw):
-    kw = {"lr": 0.02, "ratio": 0.25, "beta3": 0.9, "weight_decay": 0.01, "dense_threshold": THRESHOLD, **kw}
+def slamb_opt(model, fused=False, **kw):
+    kw = {"fused": fused, "lr": 0.02, "ratio": 0.25, "beta3": 0.9, "weight_decay": 0.01, "dense_threshold": THRESHOLD, **kw}
     return st.DistributedOptimizer(st.SLAMB(model.parameters(), **kw), named_parameters=model.named_parameters())
 
 
@@ -91,12 +91,15 @@ def gather_failures(failed):
 
 
 # ============================================================================= SLAMB vs section 1
+# fused=True: the buckets as flat buffers (the default on CUDA), every step's exchange launched
+# from step() as the core's whole-buffer step; fused=False: tensor by tensor, from the hooks
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("use_ddp", [False, True])
 @pytest.mark.parametrize("ratio,value_dtype", [(0.25, "float32"), (1.0, "float32"), (0.25, "float16")])
-def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype):
+def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype, fused):
     model = make_model(1)
     net = ddp(model) if use_ddp else model
-    opt = slamb_opt(model, ratio=ratio, sync_interval=3, value_dtype=value_dtype, seed=5)
+    opt = slamb_opt(model, ratio=ratio, sync_interval=3, value_dtype=value_dtype, seed=5, fused=fused)
     assert isinstance(opt, st.SLAMB)
     if use_ddp:
         net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
@@ -123,14 +126,15 @@ def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype):
 SCHEDULE = {4: 0.25, 6: 0.1, 9: 1.0, 10: 0.2}
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("use_ddp", [False, True])
-def test_slamb_ratio_schedule_matches_section1_every_step(use_ddp):
+def test_slamb_ratio_schedule_matches_section1_every_step(use_ddp, fused):
     """``param_group['ratio']`` changed between steps on every rank: from that step on, the
     exchange follows the new ratio's mask (one abandoned exchange at the change) and the
     result equals section 1 with f carried through every change."""
     model = make_model(1)
     net = ddp(model) if use_ddp else model
-    opt = slamb_opt(model, ratio=0.5, sync_interval=3, seed=5)
+    opt = slamb_opt(model, ratio=0.5, sync_interval=3, seed=5, fused=fused)
     if use_ddp:
         net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
     ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
@@ -155,9 +159,10 @@ def test_slamb_ratio_schedule_matches_section1_every_step(use_ddp):
     gather_failures(failed)
 
 
-def test_ratio_changed_on_one_rank_raises_on_every_rank_and_changes_nothing():
+@pytest.mark.parametrize("fused", [False, True])
+def test_ratio_changed_on_one_rank_raises_on_every_rank_and_changes_nothing(fused):
     model = make_model(7)
-    opt = slamb_opt(model, seed=3)
+    opt = slamb_opt(model, seed=3, fused=fused)
     train_step(model, opt, 1)
     before = flat_params(model)
     culprit = P() - 1
@@ -207,11 +212,42 @@ def test_slamb_hook_keeps_gradients_local_and_launches_from_buckets():
     gather_failures(failed)
 
 
+def test_flat_buckets_exchange_once_from_step_and_keep_gradients_local():
+    """fused=True under DDP with slamb_hook: the parameters are views into the bucket's flat
+    buffer, the hook leaves each rank its own gradient, and the step's one exchange (the core's
+    whole-buffer one) runs in step(), also with clip_grad_norm_ in between."""
+    model = make_model(2)
+    net = ddp(model)
+    opt = slamb_opt(model, fused=True)
+    net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    (comm,) = opt.communicators
+    e = opt._engines[0]
+    failed = [] if all(p.data_ptr() == v.data_ptr() for p, v in zip(e.params, e.flat.xv)) else ["not views"]
+    exchanges = lambda: comm.stats.by_kind.get("masked_allreduce", slamb_comm.Traffic()).calls  # noqa: E731
+    for t in range(1, 4):
+        opt.zero_grad()
+        loss_of(net, R(), t).backward()
+        local = make_model(2)
+        set_flat(local, flat_params(model))
+        loss_of(local, R(), t).backward()
+        mine = np.concatenate([p.grad.reshape(-1).numpy() for p in model.parameters()])
+        want = np.concatenate([p.grad.reshape(-1).numpy() for p in local.parameters()])
+        if not np.allclose(mine, want, rtol=1e-6, atol=1e-7):
+            failed.append(f"step {t}: p.grad is not this rank's own gradient")
+        during = exchanges()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        if during != t - 1 or exchanges() != t:
+            failed.append(f"step {t}: {during} exchanges before step(), {exchanges()} after (want {t - 1}, {t})")
+    gather_failures(failed)
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("use_ddp", [False, True])
-def test_nan_on_one_rank_skips_the_step_on_every_rank(use_ddp):
+def test_nan_on_one_rank_skips_the_step_on_every_rank(use_ddp, fused):
     model = make_model(3)
     net = ddp(model) if use_ddp else model
-    opt = slamb_opt(model)
+    opt = slamb_opt(model, fused=fused)
     if use_ddp:
         net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
     train_step(net, opt, 1)
@@ -226,9 +262,10 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(use_ddp):
     gather_failures(failed)
 
 
-def test_checkpoint_resumes_bitwise():
+@pytest.mark.parametrize("fused", [False, True])
+def test_checkpoint_resumes_bitwise(fused):
     model = make_model(4)
-    opt = slamb_opt(model, sync_interval=2, seed=None)
+    opt = slamb_opt(model, sync_interval=2, seed=None, fused=fused)
     for t in range(1, 4):
         train_step(model, opt, t)
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
@@ -236,7 +273,7 @@ def test_checkpoint_resumes_bitwise():
         train_step(model, opt, t)
     want = flat_params(model)
     model2 = make_model(99)
-    opt2 = slamb_opt(model2, sync_interval=2, seed=None)  # another random mask seed: the checkpoint's wins
+    opt2 = slamb_opt(model2, sync_interval=2, seed=None, fused=fused)  # another random mask seed: the checkpoint's wins
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
     for t in range(4, 7):
@@ -447,10 +484,11 @@ def dropped(t, r):
     return t in (3, 4) or (t == 6 and r == 0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
-def test_slamb_parameter_without_gradient_on_every_rank_is_left_as_it_is(mask):
+def test_slamb_parameter_without_gradient_on_every_rank_is_left_as_it_is(mask, fused):
     model = make_model(11)
-    opt = slamb_opt(model, sync_interval=3, mask=mask, seed=3)
+    opt = slamb_opt(model, sync_interval=3, mask=mask, seed=3, fused=fused)
     (comm,) = opt.communicators
     ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
     failed = []

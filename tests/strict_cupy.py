@@ -89,7 +89,7 @@ import numpy as np
 
 __all__ = ["install", "ndarray", "syncs", "reset_syncs", "total_syncs", "launches", "reset_launches",
            "total_launches", "h2d", "reset_h2d", "total_h2d", "reset_counts", "counts", "counting",
-           "MisalignedAddressError"]
+           "MisalignedAddressError", "torch_bridge", "aten_counter"]
 
 syncs = Counter()  # kind -> count of host synchronisations
 launches = Counter()  # operation name -> count of device operations (would-be kernel launches)
@@ -875,3 +875,66 @@ class install:
 
     def __exit__(self, *exc):
         self.undo()
+
+
+# ---------------------------------------------------------------------------- torch on the double
+class torch_bridge:
+    """Context manager: slamb_comm's torch adapters see the double's arrays where they would see
+    CuPy's. A CPU torch tensor handed to the core becomes a double array sharing its memory (as
+    CuPy's DLPack import of a CUDA tensor does), and a double array handed back to torch (the
+    state's views, a collective's buffer) the tensor of that memory. With it, the adapters' GPU
+    path runs on the CPU and its device operations are counted: the core's by the double, torch's
+    by :func:`aten_counter`. Use inside :class:`install`."""
+
+    def __enter__(self):
+        import torch
+
+        import slamb_comm.adapters.torch.collectives as tcoll
+        import slamb_comm.adapters.torch.slamb as tslamb
+        import slamb_comm.adapters.torch.tensors as ttensors
+        import slamb_comm.arrays as arrays
+
+        real = arrays.as_array
+
+        def as_array(x):
+            if isinstance(x, torch.Tensor):
+                return ndarray(x.detach().numpy())
+            return real(x)
+
+        def to_torch(a):
+            return torch.from_numpy(a._a if isinstance(a, ndarray) else a)
+
+        self._saved = [(arrays, "as_array", real), (tslamb, "tensor_of", tslamb.tensor_of),
+                       (ttensors, "tensor_of", ttensors.tensor_of), (tcoll, "torch_view", tcoll.torch_view)]
+        for mod, name, new in ((arrays, "as_array", as_array), (tslamb, "tensor_of", to_torch),
+                               (ttensors, "tensor_of", to_torch), (tcoll, "torch_view", to_torch)):
+            setattr(mod, name, new)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, old in self._saved:
+            setattr(mod, name, old)
+
+
+def aten_counter():
+    """A ``TorchDispatchMode`` (use as a context manager) counting torch's operations: ``.n``
+    in all and ``.by_op`` by name. On a GPU each is at most one kernel launch; views and
+    ``detach`` (no launch) are not counted, a multi-tensor ``_foreach_*`` call counts one (torch
+    launches one kernel per chunk of tensors, like apex's ``multi_tensor_apply``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = ("detach", "view", "alias", "_reshape_alias", "slice", "as_strided", "unsqueeze", "squeeze", "t.default")
+
+    class AtenCount(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+            self.by_op = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.__name__.startswith(free):
+                self.n += 1
+                self.by_op[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    return AtenCount()

@@ -143,12 +143,14 @@ def agree_step(opt):
     opt._agreed = True
 
 
-def launch_trainable_flag(self, extra=None):
+def launch_trainable_flag(self, extra=None, device_words=None):
     """Once per step (from the first gradient hook, or from synchronize()): how many ranks have a
     parameter that became trainable after the optimizer was built (``requires_grad`` set later).
     One bit per rank (P / 31 int32 words, summed: distinct bits add up to their OR), asynchronous,
     so Horovod fuses it with the step's other tensors. ``extra``: further int32 values to sum
-    alongside (their sums are left in ``self._flag_extra``); by default ``self._flag_words()``."""
+    alongside (their sums are left in ``self._flag_extra``); by default ``self._flag_words()``.
+    ``device_words``: an int32 tensor on the collectives' device, summed after them (computed on
+    the device: no host read before the flag leaves)."""
     if self._flag is not None:
         return
     if extra is None:
@@ -156,9 +158,12 @@ def launch_trainable_flag(self, extra=None):
     known = self._known()
     self._grown = [p for p in self._all_params if p.requires_grad and p not in known]
     nw = (self._coll.size + 30) // 31
-    buf = torch.zeros(nw + len(extra), dtype=torch.int32, device=self._coll.device)
+    nd = 0 if device_words is None else device_words.numel()
+    buf = torch.zeros(nw + len(extra) + nd, dtype=torch.int32, device=self._coll.device)
     if len(extra):
-        buf[nw:] = torch.tensor(list(extra), dtype=torch.int32)
+        buf[nw:nw + len(extra)] = torch.tensor(list(extra), dtype=torch.int32)
+    if nd:
+        buf[nw + len(extra):] = device_words
     if self._grown:
         r = self._coll.rank
         buf[r // 31] = 1 << (r % 31)

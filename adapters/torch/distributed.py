@@ -30,7 +30,10 @@ def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=F
         raise ValueError(f"grad_scaler= is for the top-k exchange's error buffers; {type(optimizer).__name__} "
                          "exchanges the unscaled gradients by itself (pass no grad_scaler)")
     extra = {"grad_scaler": grad_scaler} if mixin is DistributedTopK else {}
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(mixin.__dict__))
+    attrs = dict(mixin.__dict__)
+    if slamb:  # SLAMB's constructor reads it before building its buckets
+        attrs["_fused_default"] = optimizer._fused
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
     dist_opt = cls(optimizer.param_groups, names, compression, backward_passes_per_step, coll, sum_op,
                    gradient_predivide_factor, **extra)
     if (slamb or onebit) and any(e.rule.t > 0 for e in (optimizer._ensure_engines() if slamb else optimizer._engines)):

@@ -20,7 +20,7 @@ from slamb_comm import arrays as _arr
 from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerError
 from slamb_comm.stats import Traffic, allreduce_wire
 
-from . import contract
+from . import contract, tensors
 from .params import param_changed, params_changed, run_closure
 from .tensors import Grads, Params, cuda_scope, torch_dtype
 
@@ -79,7 +79,9 @@ class DistributedSlamb(torch.optim.Optimizer):
         self._should_synchronize = True
         self._nonfinite = None  # the agreed NonFiniteError of this step, if some rank's gradient was not finite
         self._error = None  # an error of the end-of-backward agreement, raised at the next step()/synchronize()
-        self._in_hooks = True  # hooks mode: the exchange starts in the gradient hooks; else from step()
+        # hooks mode: the exchange starts in the gradient hooks; else from step(). Flat buckets
+        # (SLAMB(fused=...)) always exchange from step(): one whole-buffer exchange per bucket
+        self._in_hooks = not self._flat_mode()
         self._reference = {}  # parameter -> (gradient, version) at the agreement
         self._norms = None  # and the gradients' norms then
         self._layout_problem = None  # this rank's LayoutError of the open step, sent as a NaN status
@@ -90,16 +92,25 @@ class DistributedSlamb(torch.optim.Optimizer):
     def _known(self):
         return self._where
 
+    def _flat_mode(self):
+        """Whether steps go through the buckets' flat buffers (SLAMB's ``fused``): every bucket's
+        step, exchange included, is the core's whole-buffer one, launched from ``step()``."""
+        return self.gradient_predivide_factor == 1.0 and any(e.flat is not None for e in self._engines)
+
     def _flag_words(self):
         """Sent with the per-step flag: whether this rank's groups ask for a new ratio, and (in
         deferred mode, where the flag starts in ``step()``) whether this rank changed a gradient
         since the agreement."""
+        return [self._asks_new_ratio(), int(not self._in_hooks and self._grads_changed())]
+
+    def _asks_new_ratio(self):
+        """1 if this rank's groups ask for a new ratio in some bucket (a schedule), else 0."""
         def asks(e):
             try:
                 return self._requested_ratio(e) != e.comm.ratio
             except ConfigError:
                 return True  # groups of a bucket disagree: the change fails collectively, with this error
-        return [int(any(asks(e) for e in self._engines)), int(not self._in_hooks and self._grads_changed())]
+        return int(any(asks(e) for e in self._engines))
 
     def _change_ratios(self):
         """Some rank asked for a new ratio: every rank moves every bucket to its groups' ratio,
@@ -259,7 +270,7 @@ class DistributedSlamb(torch.optim.Optimizer):
             if isinstance(bad, (bool, np.bool_)):
                 buf[-1] = math.inf if bad else fine
             else:
-                buf[-1:].copy_(torch.where(torch.from_dlpack(bad), math.inf, fine).reshape(1))
+                buf[-1:].copy_(torch.where(tensors.tensor_of(bad), math.inf, fine).reshape(1))
         pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         name = f"slamb_comm.momentum.{e.names[i]}" + (".redo" if redo else "")
         handle = self._coll.allreduce_async(buf, name, average=True, prescale=pre, postscale=post)
@@ -468,8 +479,78 @@ class DistributedSlamb(torch.optim.Optimizer):
             return
         self._launch_missing()
         self._finish()
-        if self._nonfinite is None and self._flag_extra[1] == 0:
+        if self._nonfinite is None and self._flag_extra[1] == 0 and not self._flat_mode():
             self._in_hooks = True  # no rank changed its gradients after the agreement: back to the hooks
+
+    def _decide_flat(self):
+        """Flat mode: the step's collective decisions in one small allreduce (the trainable flag),
+        after this rank copied its gradients into the flat buffers: a new ratio asked for, a
+        parameter that no longer fits its bucket, a gradient missing or sparse (the step then
+        goes tensor by tensor, which handles them), a gradient not finite (or whose square
+        overflows; computed on the device) -- on any rank. Returns whether the flat step goes."""
+        problem = self._layout_problem or params_changed(self, self._all_params)
+        for e in self._engines:  # state replaced from outside (a broadcast), options read from the groups
+            try:
+                self._pull(e)
+            except ConfigError as err:  # an option fixed at construction changed on this rank
+                problem = problem or err
+        for e in self._engines if problem is None else ():
+            for i, p in enumerate(e.params):
+                problem = problem or param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
+        self._layout_problem = problem
+        flats = [e.flat for e in self._engines if e.flat is not None]
+        ready = problem is None and all(e.flat is not None and e.flat.ready() for e in self._engines)
+        device_words = None
+        if ready:
+            sums = []
+            for f in flats:
+                f.load()
+                sums.append(torch.linalg.vector_norm(f.g).reshape(1))  # inf where a square would overflow v
+            bad = ~torch.isfinite(torch.cat(sums) if len(sums) > 1 else sums[0])
+            device_words = bad.any().to(device=self._coll.device, dtype=torch.int32).reshape(1)
+        asks = self._asks_new_ratio() if problem is None else 0
+        contract.launch_trainable_flag(self, extra=[asks, int(problem is not None), int(not ready)],
+                                       device_words=device_words if device_words is not None
+                                       else torch.zeros(1, dtype=torch.int32, device=self._coll.device))
+        grown = contract.wait_trainable_flag(self)
+        self._flag = None
+        rerate, changed, unready, bad = self._flag_extra
+        if changed:
+            self._raise_changed(None)
+        try:
+            if grown or rerate:  # collective decisions: the step then goes tensor by tensor, after them
+                if rerate:
+                    self._change_ratios()
+                if grown:
+                    self._build_engines()
+                    self._index_params()
+                    contract.register_hooks(self, grown)
+                    self._options_agreed = False
+            if not self._options_agreed:
+                for e in self._engines:
+                    e.rule.agree_options(*self._lr_wd(e))
+                self._options_agreed = True
+        except BaseException:
+            self._abort()  # nothing was changed; the countdowns are full again
+            raise
+        if bad:
+            self._nonfinite = NonFiniteError(
+                "SLAMB: a non-finite gradient (NaN/Inf, or one whose square overflows) on some rank at step(); "
+                "the step is skipped on every rank, with no state changed", (), [e.names[0] for e in self._engines])
+            return False
+        return not (unready or grown or rerate)
+
+    def _step_flat(self):
+        """Flat mode's step: per bucket the core's whole-buffer step on the flat buffers the
+        decision loaded (exchange, update and periodic sync; a constant number of device
+        operations whatever the number of tensors)."""
+        for e in self._engines:
+            e.open = False
+            lr, wd = self._lr_wd(e)
+            with cuda_scope(e.params[0].device):
+                e.rule.step(*e.flat.arrays, lr=lr, weight_decay=wd)
+            e.flat.store()
+            self._publish(e)
 
     def _changed_anywhere(self):
         """Hooks mode: whether any rank changed a gradient since the agreement (one-word allreduce)."""
@@ -491,10 +572,13 @@ class DistributedSlamb(torch.optim.Optimizer):
         if self._should_synchronize and self._synchronized:
             warnings.warn(contract.STEP_AFTER_SYNC)
         self._synchronized = False
+        flat = False
         try:
             if not self._agreed:
                 self._agree()
-            if self._nonfinite is None and (not self._in_hooks or self._changed_anywhere()):
+            if self._nonfinite is None and self._flat_mode():
+                flat = self._decide_flat()
+            if self._nonfinite is None and not flat and (not self._in_hooks or self._changed_anywhere()):
                 self._exchange_now()
         finally:
             self._agreed = False
@@ -507,6 +591,10 @@ class DistributedSlamb(torch.optim.Optimizer):
             for e in self._engines:
                 e.rule.skipped_steps += 1
             _log.warning("slamb_comm: step skipped on every rank: %s", err)
+            return loss
+        if flat:
+            self._step_flat()
+            contract.reset_countdown(self)
             return loss
         for e in self._engines:
             if not e.open:

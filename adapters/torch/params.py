@@ -98,7 +98,7 @@ class Engine:
 
     __slots__ = (
         "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
-        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip", "published",
+        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip", "published", "flat",
     )
 
     def __init__(self, key, params, groups, names, dtype):
@@ -118,3 +118,4 @@ class Engine:
         self.payload = 0
         self.skip = set()  # tensors without a gradient on any rank at the open step
         self.published = None  # what the torch state's views were last pointed at (the adapters' _publish)
+        self.flat = None  # the bucket as two flat buffers (flat.Flat), where the optimizer's ``fused`` asks

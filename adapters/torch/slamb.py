@@ -18,6 +18,7 @@ from slamb_comm.slamb import Slamb
 from slamb_comm.stats import Traffic
 from slamb_comm.transports import LocalTransport
 
+from .flat import Flat, wants_flat
 from .params import Engine, param_changed, run_closure, saved_state_by_param
 from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
 
@@ -82,6 +83,14 @@ class SLAMB(torch.optim.Optimizer):
             gradient on any rank is skipped by every rank (logged on logger ``slamb_comm``,
             counted in :attr:`skipped_steps`); ``'raise'``: every rank raises
             :class:`slamb_comm.NonFiniteError`. Either way no state changes.
+        fused: ``None`` (default): buckets of CUDA parameters step as whole flat buffers, a
+            constant number of kernel launches per step whatever the number of tensors
+            (:mod:`slamb_comm.fused`), CPU buckets tensor by tensor (faster there); ``True``:
+            flat buffers on every device; ``False``: never. With flat buffers the parameters
+            become views into one buffer per bucket and the gradients are copied in with one
+            multi-tensor copy per step (:mod:`slamb_comm.adapters.torch.flat` says why and
+            what it implies). The same SLAMB either way, up to float32 rounding (sums run in
+            another order).
 
     Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
     (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
@@ -128,7 +137,11 @@ class SLAMB(torch.optim.Optimizer):
         dense_threshold=9000,
         seed=0,
         on_nonfinite="skip",
+        fused=None,
     ):
+        if fused not in (None, True, False):
+            raise ConfigError(f"fused must be None (flat buffers on CUDA only), True or False, got {fused!r}")
+        self._fused = getattr(type(self), "_fused_default", fused)  # a distributed wrapper's: the wrapped one's
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, ratio=ratio, beta3=beta3,
             sync_interval=sync_interval, mask=mask, block=block, value_dtype=value_dtype, c_min=c_min,
@@ -231,6 +244,8 @@ class SLAMB(torch.optim.Optimizer):
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
                            on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None)
+            e.flat = Flat(e) if wants_flat(self._fused, params[0].device) else None
+            e.rule.fused = e.flat is not None
             self._import_state(e, {p: saved[p] for p in params if p in saved})
             engines.append(e)
         self._engines = self._built = engines
@@ -279,6 +294,7 @@ class SLAMB(torch.optim.Optimizer):
                 saved = torch.as_tensor(raw[p]["freshness"]).detach().reshape(-1).to(e.dtype).cpu()
                 if not torch.equal(saved, torch.from_numpy(e.rule.freshness(i).reshape(-1))):
                     e.rule.keep_freshness(i, saved)
+        e.published = None  # every entry anew (a broadcast may have written the step counts)
         self._publish(e)
 
     def _publish(self, e):
@@ -292,8 +308,10 @@ class SLAMB(torch.optim.Optimizer):
         done = e.published
         if (done is not None and done[0] == sign and done[2] is r.m and done[3] is r.v
                 and all(self.state[p].get("exp_avg") is v for p, v in zip(e.params, done[1]))):
-            for p in e.params:  # the same views and options: only the step count moved (in place, as torch does)
-                self.state[p]["step"].fill_(float(r.t))
+            steps = [self.state[p]["step"] for p in e.params]
+            if done[4] != r.t:  # the same views and options: only the step count moved (in place, as torch
+                torch._foreach_add_(steps, float(r.t - done[4]))  # does: one multi-tensor add)
+            e.published = done[:4] + (r.t,)
             return
         for i, (p, (o, n), shape) in enumerate(zip(e.params, lay.segments(), lay.shapes)):
             st = self.state[p]
@@ -311,7 +329,7 @@ class SLAMB(torch.optim.Optimizer):
                 st.pop("mask_schedule", None)
             else:  # the cyclic mask's ratio changes that still decide its freshness: [(chunks, step)]
                 st["mask_schedule"] = torch.tensor(sched, dtype=torch.int64)
-        e.published = (sign, [self.state[p]["exp_avg"] for p in e.params], r.m, r.v)
+        e.published = (sign, [self.state[p]["exp_avg"] for p in e.params], r.m, r.v, r.t)
 
     def state_dict(self):
         """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
@@ -417,10 +435,15 @@ class SLAMB(torch.optim.Optimizer):
             if self._requested_ratio(e) != e.comm.ratio:  # a ratio schedule: from this step on
                 self._set_ratio(e)
             lr, wd = self._lr_wd(e)
-            x = Params(e)
-            skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
-            with cuda_scope(e.params[0].device):
-                e.rule.step(x, Grads(e), lr=lr, weight_decay=wd, written=x.written, skip=skip)
+            if e.flat is not None and e.flat.ready():  # whole flat buffers (a constant number of launches)
+                with cuda_scope(e.params[0].device):
+                    e.rule.step(*e.flat.load(), lr=lr, weight_decay=wd)
+                e.flat.store()
+            else:
+                x = Params(e)
+                skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
+                with cuda_scope(e.params[0].device):
+                    e.rule.step(x, Grads(e), lr=lr, weight_decay=wd, written=x.written, skip=skip)
             self._publish(e)
         return loss
 
