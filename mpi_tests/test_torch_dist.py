@@ -534,3 +534,69 @@ def test_topk_parameter_without_gradient_on_every_rank_is_left_as_it_is():
     if not np.allclose(opt.communicators[0].residual, ref.errors[R()], rtol=1e-5, atol=1e-6):
         failed.append("error buffers differ from the reference's")
     gather_failures(failed)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_checkpoint_of_p_ranks_resumes_on_fewer(fused, tmp_path_factory):
+    """docs/algorithm.md section 10 through the torch adapter: every rank saves its model and
+    optimizer state with slamb_comm.checkpoint; the first half of the ranks (a new process
+    group: 4 -> 2, 2 -> 1) loads it. Parameters and moments are the old ranks' means, step and
+    mask seed kept; training goes on, and the new ranks agree right after the next sync."""
+    from mpi4py import MPI
+
+    from slamb_comm import checkpoint
+
+    if P() == 1:
+        pytest.skip("needs two ranks")
+    world = MPI.COMM_WORLD
+    base = world.bcast(str(tmp_path_factory.mktemp("resize")) if R() == 0 else None, root=0)
+    model = make_model(20)
+    opt = slamb_opt(model, sync_interval=4, seed=3, fused=fused)
+    for t in range(1, 4):  # steps 2 and 3 after the sync at step 1: parameters differ per rank
+        train_step(model, opt, t)
+    checkpoint.save(base + "/ckpt", {"model": model.state_dict(), "opt": opt.state_dict()}, sc_transport(world))
+    olds = [flat_params(model)] + [torch.cat([s["exp_avg"].reshape(-1) for s in opt.state_dict()["state"].values()])
+                                   .numpy()]
+    olds = world.allgather(olds)
+    new = P() // 2
+    group = dist.new_group(list(range(new)))
+    sub = world.Split(0 if R() < new else MPI.UNDEFINED, R())
+    failed = []
+    if R() < new:
+        st = checkpoint.load(base + "/ckpt", sc_transport(sub))
+        model2 = make_model(99)
+        model2.load_state_dict(st["model"])
+        opt2 = st_dist_slamb(model2, group, fused)
+        opt2.load_state_dict(st["opt"])
+        def rule(arrays):  # section 10: the float64 sum in old rank order, times 1/P, as float32
+            acc = np.zeros(arrays[0].shape, np.float64)
+            for a in arrays:
+                acc += a
+            return (acc * (1.0 / len(arrays))).astype(np.float32)
+
+        got_m = torch.cat([s["exp_avg"].reshape(-1) for s in opt2.state_dict()["state"].values()]).numpy()
+        if not np.array_equal(flat_params(model2).astype(np.float32), rule([o[0] for o in olds])):
+            failed.append("parameters are not the old ranks' mean")
+        if not np.array_equal(got_m, rule([o[1] for o in olds])):
+            failed.append("exp_avg is not the old ranks' mean")
+        if int(opt2.state[model2[0].weight]["step"]) != 3 or opt2.communicators[0].size != new:
+            failed.append("step or group size wrong after the resize")
+        for t in range(4, 6):  # step 5 is a periodic sync (H = 4)
+            opt2.zero_grad()
+            loss_of(model2, R(), t).backward()
+            opt2.step()
+        rows = sub.allgather(flat_params(model2))
+        if not all(np.array_equal(rows[0], r) for r in rows):
+            failed.append("the new ranks differ right after the sync")
+    world.Barrier()
+    assert not failed, f"rank {R()}: {failed}"
+
+
+def sc_transport(comm):
+    return slamb_comm.MPITransport(comm)
+
+
+def st_dist_slamb(model, group, fused):
+    return st.DistributedOptimizer(st.SLAMB(model.parameters(), lr=0.02, ratio=0.25, beta3=0.9, weight_decay=0.01,
+                                            dense_threshold=THRESHOLD, sync_interval=4, seed=3, fused=fused),
+                                   named_parameters=model.named_parameters(), process_group=group)

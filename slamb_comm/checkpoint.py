@@ -12,10 +12,12 @@ checkpoint is never mistaken for a good one.
 own file's hash, and all ranks raise :class:`CheckpointError` together if any rank finds
 a problem.
 
-SLAMB's state is per rank (each rank's own momentum, second moment and error buffers), so a
-checkpoint restores only on the same number of ranks; a different number raises
-:class:`CheckpointError` naming both counts. (A new run on another rank count can start
-from the parameters, which are identical on every rank right after a periodic sync.)
+SLAMB's state is per rank (each rank's own momentum, second moment and error buffers). On the
+same number of ranks each rank gets its own state back, bitwise. On another number (a job that
+lost or gained workers) every rank reads every old rank's file and :func:`slamb_comm.resize.resize`
+makes its state by docs/algorithm.md section 10's rule: what is equal on every rank kept,
+per-rank floating-point state (moments, error buffers, parameters between syncs) averaged,
+1-bit LAMB's server errors re-chunked; logged. ``resize=False`` refuses instead.
 
 The directory must be on a file system that every rank sees (or, on one machine, any
 local directory). Files are pickles: load only checkpoints you wrote.
@@ -29,6 +31,7 @@ import shutil
 
 import numpy as np
 
+from . import resize as _resize
 from .errors import SlambCommError
 
 __all__ = ["CheckpointError", "save", "load"]
@@ -120,12 +123,27 @@ def save(directory, state, transport, meta=None):
     _agree(transport, error is None, f"rank 0 could not complete the checkpoint: {error!r}")
 
 
-def load(directory, transport):
+def _read(directory, manifest, rank):
+    name = _rank_file(rank)
+    with open(os.path.join(directory, name), "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != manifest["files"].get(name):
+        raise CheckpointError(f"{directory}/{name} is corrupt (SHA-256 differs from the manifest)")
+    return pickle.loads(data)
+
+
+def load(directory, transport, resize=True):
     """Read this rank's state from checkpoint ``directory`` (collective).
+
+    Written by as many ranks as this job has: this rank's own state, bitwise. Written by
+    another number: with ``resize`` (default) this rank's state made from every old rank's by
+    :func:`slamb_comm.resize.resize` (docs/algorithm.md section 10; every rank reads every old
+    rank's file, one at a time, and checks its hash); without, CheckpointError.
 
     Raises:
         CheckpointError: on every rank, if the checkpoint is missing or incomplete (no
-            manifest), was written by another number of ranks, or a file's hash differs.
+            manifest), a file's hash differs, the old ranks' states differ in structure, or it
+            was written by another number of ranks and ``resize`` is false.
     """
     directory = os.path.abspath(directory)
     state, error = None, None
@@ -137,17 +155,20 @@ def load(directory, transport):
             manifest = json.load(fh)
         if manifest.get("format") != _FORMAT:
             raise CheckpointError(f"{directory}: unknown checkpoint format {manifest.get('format')!r}")
-        if manifest["world_size"] != transport.size:
+        old = int(manifest["world_size"])
+        if old == transport.size:
+            state = _read(directory, manifest, transport.rank)
+        elif not resize:
             raise CheckpointError(
-                f"{directory} was written by {manifest['world_size']} ranks, this job has {transport.size}: "
-                "SLAMB's state is per rank, so resume on the same number of ranks"
-            )
-        name = _rank_file(transport.rank)
-        with open(os.path.join(directory, name), "rb") as fh:
-            data = fh.read()
-        if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
-            raise CheckpointError(f"{directory}/{name} is corrupt (SHA-256 differs from the manifest)")
-        state = pickle.loads(data)
+                f"{directory} was written by {old} ranks, this job has {transport.size}, and resize=False: "
+                "SLAMB's state is per rank; pass resize=True to average it for the new number of ranks "
+                "(docs/algorithm.md section 10)")
+        else:
+            try:
+                state, _ = _resize.resize((_read(directory, manifest, r) for r in range(old)), transport.size,
+                                          transport.rank, old_size=old)
+            except ValueError as e:
+                raise CheckpointError(f"{directory}: cannot resize from {old} to {transport.size} ranks: {e}") from e
     except CheckpointError as e:
         error = e
     except Exception as e:  # noqa: BLE001

@@ -227,7 +227,8 @@ def _exchange(slamb, plan, xp, x, g, t):
     _arr.cast_into(payload[:K], vals)
     del vals
     # a NaN or Inf, or an element whose square overflows v (|g| >= sqrt of the dtype's max)
-    bad = ~xp.isfinite(xp.sum(xp.square(g, out=tmp), dtype=np.float64))
+    with np.errstate(over="ignore", invalid="ignore"):  # NumPy: an overflowing square is what is checked
+        bad = ~xp.isfinite(xp.sum(xp.square(g, out=tmp), dtype=np.float64))
     try:
         comm.reduce_checked(payload, None, bad, f"SLAMB momentum exchange at step {t}",
                             spans=(plan.starts[j, :-1], plan.counts[j]))

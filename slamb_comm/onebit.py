@@ -184,6 +184,8 @@ class OneBitExchange:
                 ranks, or for another layout or value dtype (a server error belongs to one
                 rank's chunk: it cannot move to another rank or another P).
         """
+        if "resized_from" in state:
+            return self._load_resized(state)
         if state.get("digest") != self._digest() or int(state.get("size", -1)) != self.size \
                 or int(state.get("padded", -1)) != self.padded:
             raise LayoutMismatchError("the saved 1-bit exchange state was made for another layout, value dtype "
@@ -200,6 +202,30 @@ class OneBitExchange:
         cast = (lambda a: None if a is None else np.array(_arr.to_host(a), dtype=self.acc_dtype, copy=True))
         self.worker_error, self.server_error = cast(we), cast(se)
         self._on_host = we is not None
+
+    def _load_resized(self, state):
+        """A state :func:`slamb_comm.resize.resize` made from P other ranks' (docs/algorithm.md
+        section 10): the averaged worker errors padded to this N', and this rank's chunk of the
+        concatenated server errors, cut for this number of ranks."""
+        old = int(state["resized_from"])
+        if state.get("old_digest") != self.layout.digest("onebit", self.value_dtype.name, old).hex():
+            raise LayoutMismatchError("the resized 1-bit exchange state was made for another layout or value dtype")
+        if int(state["rank"]) != self.rank or int(state["size"]) != self.size:
+            raise LayoutMismatchError(f"the resized 1-bit exchange state is for rank {state['rank']} of {state['size']}; "
+                                      f"this is rank {self.rank} of {self.size}")
+        we, se = state.get("worker_error_full"), state.get("server_error_full")
+        if we is None:
+            self.worker_error = self.server_error = None
+            self._on_host = False
+            return
+        n = self.layout.total
+        w = np.zeros(self.padded, self.acc_dtype)
+        full = np.zeros(max(self.padded, n), self.acc_dtype)
+        w[:n] = np.asarray(we)[:n]
+        full[:n] = np.asarray(se)[:n]
+        self.worker_error = w
+        self.server_error = full[self.rank * self.chunk:(self.rank + 1) * self.chunk].copy()
+        self._on_host = True
 
     # ------------------------------------------------------------------ the exchange
     def _header(self, xp, status, scale):

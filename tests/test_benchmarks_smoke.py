@@ -327,3 +327,20 @@ def test_slamb_on_torch_distributed_makes_three_collectives_per_step(tensors):
     for line in lines:
         per = [int(v) for v in line.split("[")[1].rstrip("]").split(",")]
         assert per[1:] == [3] * 4, line
+
+
+def test_ddp_step_benchmark_times_every_arm_against_stock_ddp(tmp_path):
+    """benchmarks/ddp_step.py under torchrun (a tiny model, one repeat): a row per arm, the
+    baseline's ratio 1, the table printed. Nothing timed is asserted."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    csv_path = tmp_path / "ddp_step.csv"
+    out = subprocess.run(["timeout", "240", torchrun, "--nproc_per_node", "2", "benchmarks/ddp_step.py",
+                          "--repeats", "1", "--steps", "2", "--warmup", "1", "--d-model", "32",
+                          "--out", str(csv_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [r["arm"] for r in rows] == ["ddp_lamb", "ddp_adamw", "hook_fp32", "hook_fp16", "hook_flat"]
+    assert float(rows[0]["ratio_to_ddp_lamb"]) == 1.0 and all(float(r["step_ms"]) > 0 for r in rows)
+    assert "| hook_fp16 |" in out.stdout
