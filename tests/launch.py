@@ -17,12 +17,12 @@ def mpirun(np_, *cmd, timeout=240):
     return proc.stdout
 
 
-def torchrun(nproc, *cmd, timeout=240):
-    """Run ``torchrun --standalone --nproc_per_node nproc cmd...`` under an outer timeout; return
-    the CompletedProcess (the caller checks the exit code)."""
+def torchrun(nproc, *cmd, timeout=240, flags=()):
+    """Run ``torchrun --standalone --nproc_per_node nproc [flags] cmd...`` under an outer timeout;
+    return the CompletedProcess (the caller checks the exit code)."""
     return subprocess.run(
         ["timeout", "--kill-after=30", str(timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc_per_node", str(nproc), *cmd],
+         "--nproc_per_node", str(nproc), *flags, *cmd],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

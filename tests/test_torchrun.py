@@ -152,3 +152,75 @@ def test_amp_with_an_inf_on_one_rank_under_torchrun(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert out.count("AMP OK") == 2, out[-3000:]
+
+
+RESTART = """
+import os, signal, sys, torch, torch.distributed as dist
+from slamb_comm import checkpoint
+from slamb_comm.adapters import torch as st
+st.init_process_group("gloo")  # each restart rendezvouses afresh
+rank, size = dist.get_rank(), dist.get_world_size()
+steps, every, path, kill_at = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = st.DistributedOptimizer(st.SLAMB(ddp.parameters(), lr=0.01, ratio=0.25, dense_threshold=100, sync_interval=4),
+                              named_parameters=model.named_parameters())
+ddp.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+transport, ckpt, start = st.TorchTransport(), os.path.join(path, "ckpt"), 0
+if os.path.exists(os.path.join(ckpt, "MANIFEST.json")):  # a restart, or another number of workers
+    state = checkpoint.load(ckpt, transport)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    start = state["step"]
+    print(f"rank {rank}: resumed at step {start} on {size} ranks", flush=True)
+for t in range(start + 1, steps + 1):
+    if t == kill_at and rank == size - 1 and not os.path.exists(os.path.join(path, "killed")):
+        open(os.path.join(path, "killed"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-run
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    if t % every == 0:
+        checkpoint.save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": t}, transport)
+torch.save(model.state_dict(), os.path.join(path, f"final.{rank}"))
+"""
+
+
+def test_torchrun_restart_after_a_lost_worker_is_bitwise_and_resizes(tmp_path):
+    """docs/algorithm.md section 10 under torchrun: ``--max-restarts=1``, one worker SIGKILLs itself
+    at step 8; the job restarts from the step-6 checkpoint and ends bitwise equal to an
+    uninterrupted run of 2 workers. The same checkpoint then resumes on 1 and on 3 workers
+    (resized: the per-rank states averaged) and trains on."""
+    import torch
+
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir()
+    cut.mkdir()
+    proc = torchrun(2, str(script), "10", "3", str(whole), "0", flags=("--max-restarts=1",))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = torchrun(2, str(script), "10", "3", str(cut), "8", flags=("--max-restarts=1",))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert (cut / "killed").exists() and "resumed at step 6 on 2 ranks" in out, out[-3000:]
+    for rank in (0, 1):
+        a, b = torch.load(whole / f"final.{rank}"), torch.load(cut / f"final.{rank}")
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank}: the restarted run differs"
+    for n in (1, 3):  # the step-9 checkpoint on another number of workers
+        run = tmp_path / f"on{n}"
+        run.mkdir()
+        import shutil
+
+        shutil.copytree(cut / "ckpt", run / "ckpt")
+        proc = torchrun(n, str(script), "13", "3", str(run), "0")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        assert f"resumed at step 9 on {n} ranks" in out, out[-3000:]
+        finals = [torch.load(run / f"final.{r}") for r in range(n)]
+        assert all(torch.isfinite(v).all() for f in finals for v in f.values())
+        # the last step, 13, is a periodic sync (H = 4): the new replicas agree
+        assert all(torch.equal(finals[0][k], f[k]) for f in finals for k in f), f"{n} workers differ after the sync"

@@ -45,11 +45,11 @@ the exchange is float32 or float16 per ``value_dtype``.
 
 from slamb_comm.codecs import TopK
 
-from .collectives import TorchTransport
+from .collectives import TorchTransport, init_process_group
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
 from .onebit_lamb import OneBitLAMB
 from .slamb import SLAMB
 
 __all__ = ["SLAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState", "slamb_hook",
-           "TopKHookState", "topk_hook"]
+           "TopKHookState", "topk_hook", "init_process_group"]

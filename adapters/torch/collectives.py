@@ -10,6 +10,8 @@
 
 import atexit
 import contextlib
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -241,3 +243,25 @@ class TorchCollectives:
 
     def recognise(self, opt):
         pass
+
+
+def init_process_group(backend=None, timeout=None, **kwargs):
+    """``torch.distributed.init_process_group`` for torchrun jobs that may restart.
+
+    Under ``torchrun --max-restarts=N`` the restarted workers rendezvous again in the agent's
+    store, where the previous attempt's gloo addresses are still written under the same keys:
+    with torch 2.13 they connect to the dead workers and fail (``Connection refused``) or hang
+    (tested in ``tests/test_torchrun.py``; NCCL reports the same, pytorch/pytorch#167288). This
+    puts the group's keys under a prefix of the restart count (``TORCHELASTIC_RESTART_COUNT``),
+    so every attempt meets only its own workers. Outside torchrun, or with ``init_method=`` or
+    ``store=`` given, it is ``torch.distributed.init_process_group`` itself. ``timeout`` also
+    bounds the wait for the agent's store (default 10 minutes, torch's)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    timeout = timeout or datetime.timedelta(minutes=10)
+    if attempt is None or "MASTER_ADDR" not in os.environ or "init_method" in kwargs or "store" in kwargs:
+        return dist.init_process_group(backend, timeout=timeout, **kwargs)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.init_process_group(backend, store=dist.PrefixStore(f"slamb_comm.attempt{attempt}", base),
+                                   rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                   timeout=timeout, **kwargs)
+
