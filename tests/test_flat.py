@@ -62,7 +62,7 @@ def close(a, b, rtol=2e-5):
 KW = dict(ratio=0.25, beta3=0.9, sync_interval=3, dense_threshold=100)
 
 
-@pytest.mark.parametrize("each", ["plain", "clip", "no_grad_sometimes", "data_replaced"])
+@pytest.mark.parametrize("each", ["plain", "clip", "no_grad_sometimes", "data_replaced", "made_non_contiguous"])
 def test_flat_steps_are_the_tensorwise_steps(each):
     def hook(t, model):
         if each == "clip":
@@ -72,6 +72,9 @@ def test_flat_steps_are_the_tensorwise_steps(each):
         elif each == "data_replaced" and t == 5:
             w = model[0].weight
             w.data = w.detach().clone() * 1.0
+        elif each == "made_non_contiguous" and t == 5:  # the same values in another memory layout
+            w = model[2].weight
+            w.data = w.detach().t().contiguous().t()
     out = {}
     for fused in (False, True):
         m = net()
@@ -79,8 +82,9 @@ def test_flat_steps_are_the_tensorwise_steps(each):
         train(m, opt, 14, hook)
         out[fused] = params_of(m)
         if fused:
-            flat = opt._engines[0].flat
-            assert all(p.data_ptr() == v.data_ptr() for p, v in zip(opt._engines[0].params, flat.xv))
+            e = opt._engines[0]
+            assert all(e.params[i].data_ptr() == e.flat.xv[i].data_ptr() for i in e.flat.viewed)
+            assert len(e.flat.copied) == (1 if each == "made_non_contiguous" else 0)
     close(out[False], out[True])
 
 

@@ -10,8 +10,9 @@ needs the bucket as one flat array of parameters and one of gradients. :class:`F
   step and no second copy of the model. Parameters it cannot view -- 16-bit ones, whose buffer
   is float32, and non-contiguous ones (``channels_last``), whose memory format a view would
   change -- are copied in before the step and back after it, each direction one multi-tensor
-  ``torch._foreach_copy_``. A parameter whose ``.data`` was replaced since (same shape and dtype)
-  is adopted again: its values copied in, ``.data`` pointed back.
+  ``torch._foreach_copy_``. A parameter whose ``.data`` was replaced since is adopted again
+  (its values copied in, ``.data`` pointed back) if its dtype and layout allow, else copied from
+  then on; one moved to another device raises :class:`~slamb_comm.LayoutError`.
 * **Gradients are copied in** with one ``torch._foreach_copy_`` per step. Views would save
   the copy, but autograd replaces ``p.grad`` whenever it is None (``zero_grad()``'s default
   ``set_to_none=True``), DDP hands its own bucket views, and a user's clipping or unscaling works
@@ -27,6 +28,7 @@ once, shared by its parameters).
 import torch
 
 from slamb_comm import arrays as _arr
+from slamb_comm.errors import LayoutError
 
 __all__ = ["Flat", "wants_flat"]
 
@@ -71,10 +73,21 @@ class Flat:
         """Before a step: re-adopt parameters whose ``.data`` was replaced, copy the copied
         parameters and every gradient into the flat buffers."""
         ps = self.params
-        for i, ptr in zip(self.viewed, self._ptrs):
-            if ps[i].data_ptr() != ptr:
-                self.xv[i].copy_(ps[i].detach())
-                ps[i].data = self.xv[i]
+        moved = [i for i, ptr in zip(self.viewed, self._ptrs) if ps[i].data_ptr() != ptr]
+        for i in moved:  # p.data was replaced since (same shape: param_changed checked it)
+            p = ps[i]
+            if p.device != self.x.device:
+                raise LayoutError(f"parameter {i} of this bucket moved from {self.x.device} to {p.device} after the "
+                                  "optimizer was built; move the model first, then build the optimizer")
+            if p.dtype == self.x.dtype and p.is_contiguous():
+                self.xv[i].copy_(p.detach())
+                p.data = self.xv[i]  # adopted again
+            else:  # another dtype (e.g. model.half()) or memory format: copied in and out from now on
+                k = self.viewed.index(i)
+                del self.viewed[k], self._ptrs[k]
+                self.copied.append(i)
+        if moved:
+            self._ptrs = [self.xv[i].data_ptr() for i in self.viewed]
         if self.copied:
             torch._foreach_copy_([self.xv[i] for i in self.copied], [ps[i].detach() for i in self.copied])
         torch._foreach_copy_(self.gv, [p.grad.detach() for p in ps])
