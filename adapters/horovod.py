@@ -26,6 +26,7 @@ What this module holds:
 * :class:`SLAMB` -- the torch optimizer of :mod:`slamb_comm.adapters.torch`, re-exported:
   alone it is a correct single-process optimizer (ratio 1: LAMB), wrapped by
   :func:`DistributedOptimizer` it is SLAMB.
+* :class:`SAdamW` -- SLAMB's exchange under AdamW's update, likewise re-exported.
 * :class:`OneBitLAMB` -- 1-bit LAMB, likewise re-exported from :mod:`slamb_comm.adapters.torch`.
 * :class:`TopK` -- a ``compression=`` value selecting the error-feedback top-k gradient
   exchange (docs/algorithm.md section 2) for any optimizer.
@@ -58,12 +59,12 @@ import horovod.torch as hvd
 
 from slamb_comm.codecs import TopK
 from slamb_comm.transports import check_alltoall, check_buffer
-from slamb_comm.adapters.torch import SLAMB, OneBitLAMB
+from slamb_comm.adapters.torch import SLAMB, OneBitLAMB, SAdamW
 from slamb_comm.adapters.torch.distributed import wrap
 from slamb_comm.adapters.torch.params import check_named_parameters
 from slamb_comm.adapters.torch.tensors import torch_view
 
-__all__ = ["HorovodTransport", "SLAMB", "OneBitLAMB", "TopK", "DistributedOptimizer"]
+__all__ = ["HorovodTransport", "SLAMB", "SAdamW", "OneBitLAMB", "TopK", "DistributedOptimizer"]
 
 
 # ---------------------------------------------------------------------------- transport

@@ -121,6 +121,32 @@ def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype, fused):
     gather_failures(failed)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("use_ddp", [False, True])
+def test_sadamw_matches_section11_every_step(use_ddp, fused):
+    """SAdamW: SLAMB's exchange under AdamW's update (docs/algorithm.md section 11), the dense
+    float64 reference with the trust ratio fixed at 1 and AdamW's eps."""
+    model = make_model(1)
+    net = ddp(model) if use_ddp else model
+    opt = st.DistributedOptimizer(
+        st.SAdamW(model.parameters(), lr=0.01, ratio=0.25, beta3=0.9, weight_decay=0.01, dense_threshold=THRESHOLD,
+                  sync_interval=3, seed=5, fused=fused), named_parameters=model.named_parameters())
+    if use_ddp:
+        net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.01, eps=1e-8, wd=0.01, beta3=0.9, H=3, c_min=1.0, c_max=1.0)
+    (comm,) = opt.communicators
+    failed = []
+    for t in range(1, 9):
+        xs = everyones_params(model)
+        grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
+        mask = np.asarray(comm.mask.select(t))
+        train_step(net, opt, t)
+        ref.step(grads, mask)
+        if not np.allclose(flat_params(model), ref.x[R()], rtol=2e-4, atol=2e-5):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 11")
+    gather_failures(failed)
+
+
 # A ratio schedule as the reference's CIFAR-10 runs (denser first), with a change before the
 # previous ratio's first cycle is complete (0.25 for 2 of its 4 steps), to ratio 1 and back.
 SCHEDULE = {4: 0.25, 6: 0.1, 9: 1.0, 10: 0.2}

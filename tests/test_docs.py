@@ -33,7 +33,10 @@ def test_public_name_has_docstring(name):
 
 def _communicator_members():
     out = []
-    for name, member in vars(Communicator).items():
+    members = {}
+    for cls in reversed(Communicator.__mro__[:-1]):  # its own and its mixins' (the top-k exchange's)
+        members.update(vars(cls))
+    for name, member in members.items():
         if name.startswith("_"):
             continue
         if isinstance(member, (staticmethod, classmethod)):
@@ -51,7 +54,7 @@ def test_communicator_has_the_exchanges():
 
 @pytest.mark.parametrize("name", _communicator_members())
 def test_communicator_member_has_docstring(name):
-    member = vars(Communicator)[name]
+    member = inspect.getattr_static(Communicator, name)
     if isinstance(member, (staticmethod, classmethod)):
         member = member.__func__
     doc = member.__doc__ if not isinstance(member, property) else member.fget.__doc__

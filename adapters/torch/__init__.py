@@ -49,7 +49,7 @@ from .collectives import TorchTransport, init_process_group
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
 from .onebit_lamb import OneBitLAMB
-from .slamb import SLAMB
+from .slamb import SLAMB, SAdamW
 
-__all__ = ["SLAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState", "slamb_hook",
-           "TopKHookState", "topk_hook", "init_process_group"]
+__all__ = ["SLAMB", "SAdamW", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
+           "slamb_hook", "TopKHookState", "topk_hook", "init_process_group"]

@@ -22,7 +22,7 @@ from .flat import Flat, wants_flat
 from .params import Engine, param_changed, run_closure, saved_state_by_param
 from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
 
-__all__ = ["SLAMB"]
+__all__ = ["SLAMB", "SAdamW"]
 
 _log = logging.getLogger("slamb_comm")
 
@@ -486,3 +486,26 @@ class SLAMB(torch.optim.Optimizer):
         for c in self.communicators:
             total = total + c.stats.new_step()
         return total
+
+
+class SAdamW(SLAMB):
+    r"""SLAMB's sparse momentum exchange under AdamW's update (docs/algorithm.md section 11).
+
+    The same shared mask M_t, masked average of the first moment, freshness and periodic
+    parameter sync as :class:`SLAMB`, with AdamW's step instead of LAMB's trust ratio:
+    ``x -= rate_i * (m_hat / (sqrt(v_hat) + eps) + weight_decay * x)``, where an element's rate
+    slides from ``lr`` (fresh) to ``lr / sqrt(P)`` (stale) by its freshness. It is SLAMB with the
+    trust ratio fixed at 1 (``c_min = c_max = 1``), so everything else -- the adapters, the DDP
+    hook, checkpoints, resizes, flat buffers -- is SLAMB's. Alone (P = 1) it is
+    ``torch.optim.AdamW`` exactly, up to float rounding, at any ``ratio``.
+
+    Args: as :class:`SLAMB` without ``c_min``/``c_max``; AdamW's defaults (``eps=1e-8``,
+    ``weight_decay=0.01``).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kwargs):
+        for k in ("c_min", "c_max"):
+            if k in kwargs:
+                raise ConfigError(f"SAdamW has no trust ratio: {k} is fixed at 1 (use SLAMB for LAMB's update)")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, c_min=1.0, c_max=1.0,
+                         **kwargs)
