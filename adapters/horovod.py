@@ -319,6 +319,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                                         sparse_as_dense=sparse_as_dense, process_set=process_set)
+    if os.environ.get("HOROVOD_ELASTIC") == "1":  # set by horovodrun --min-np/--max-np/--host-discovery-script
+        raise RuntimeError(
+            "slamb_comm's distributed optimizers do not support Elastic Horovod yet: their communicators are sized "
+            "for the ranks that built them, and a worker that joins builds its optimizer (a collective) while the "
+            "others are in the reset's broadcast, so the job would hang. Run without --min-np/--max-np/"
+            "--host-discovery-script, or under torchrun --max-restarts with slamb_comm.checkpoint, whose load "
+            "resizes a checkpoint to the new number of workers (docs/algorithm.md section 10)")
     if onebit and compression is not hvd.Compression.none:
         raise ValueError("OneBitLAMB compresses momenta to 1 bit itself: pass no compression")
     if slamb and topk:
