@@ -8,4 +8,10 @@ stays free of torch and horovod. One module per framework:
   hooks ``slamb_hook`` / ``topk_hook`` with their states.
 * :mod:`slamb_comm.adapters.horovod` -- Horovod: ``HorovodTransport`` and ``DistributedOptimizer``
   (a drop-in for ``hvd.DistributedOptimizer``), on the torch adapter's optimizers.
+* :mod:`slamb_comm.adapters.lightning` -- PyTorch Lightning: ``SlambDDPStrategy`` (the hook on
+  every device type, the SLAMB optimizer bound, per-rank checkpoint state).
+* :mod:`slamb_comm.adapters.huggingface` -- Hugging Face: ``SlambTrainer`` for ``transformers.Trainer``
+  and ``install()`` after ``accelerator.prepare``, with per-rank checkpoint state.
+
+docs/integrations.md shows the change to a stock script for each.
 """

@@ -45,12 +45,12 @@ step "build and runtime Python packages (numpy, mpi4py, pytest, pytest-mpi, hypo
 "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" numpy mpi4py pytest pytest-mpi pytest-timeout hypothesis \
   cloudpickle psutil pyyaml packaging cffi wheel setuptools matplotlib scikit-learn tqdm
 
-step "frameworks the integration tests run under: accelerate, transformers (torch pinned)"
+step "frameworks the integration tests run under: accelerate, transformers, lightning (torch pinned)"
 # (timm is not installed: it pulls a CUDA torchvision that breaks transformers.)
-if "$PY" -c "import accelerate, transformers" 2>/dev/null; then
+if "$PY" -c "import accelerate, transformers, lightning" 2>/dev/null; then
   echo "[setup]   already installed"
 else
-  "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" accelerate transformers
+  "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" accelerate transformers "lightning>=2.6,<2.7"
 fi
 
 step "horovod==${HOROVOD_VERSION} with PyTorch, MPI and Gloo"

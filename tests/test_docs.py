@@ -70,10 +70,10 @@ def test_package_doctest():
 # ----------------------------------------------------------------------------- the adapters' public names
 def _adapter_names():
     out = []
-    for mod in ("torch", "horovod"):
+    for mod in ("torch", "horovod", "lightning", "huggingface"):
         try:
             m = __import__(f"slamb_comm.adapters.{mod}", fromlist=["__all__"])
-        except ImportError:  # horovod not installed: its adapter cannot be imported
+        except ImportError:  # the framework is not installed: its adapter cannot be imported
             continue
         out += [(mod, n) for n in getattr(m, "__all__", [])]
     return out

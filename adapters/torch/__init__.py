@@ -38,6 +38,10 @@ module                     what it holds
         ddp.register_comm_hook(slamb_comm.adapters.torch.SlambHookState(opt), slamb_comm.adapters.torch.slamb_hook)
 
   and :func:`topk_hook` with :class:`TopKHookState`: top-k with error feedback for any optimizer.
+  ``SlambHookState()`` can be registered first and ``bind(optimizer)`` later, for frameworks that
+  wrap the model in DDP before building the optimizer. A SLAMB or top-k ``DistributedOptimizer``
+  whose parameters sit in a DDP module without slamb_comm's hook, or a hook state DDP never
+  called, raises at the first ``step()``, naming the fix.
 
 Data types: bfloat16 and float16 parameters are updated through float32 state and cast back;
 the exchange is float32 or float16 per ``value_dtype``.

@@ -17,7 +17,7 @@ from slamb_comm.errors import LayoutError, PeerError
 __all__ = ["TOO_MANY", "ZERO_GRAD", "STEP_AFTER_SYNC", "skip_synchronize", "add_param_group_before_wrapping",
            "set_backward_passes_per_step", "register_hooks", "init_common", "launch_trainable_flag",
            "wait_trainable_flag", "at_end_of_backward", "grad_norms", "agree_finite", "reset_countdown",
-           "count_backward", "end_of_backward", "agree_step"]
+           "count_backward", "end_of_backward", "agree_step", "ddp_modules_holding", "check_ddp_first_step"]
 
 TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
             "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -238,3 +238,82 @@ def agree_finite(opt, params, counter, norms=None):
             if params[i].grad is not None:
                 params[i].grad.fill_(float("nan"))
     return bool(which)
+
+
+# ----------------------------------------------------------------------------- DDP misuse, at the first step
+DDP_WITHOUT_SLAMB_HOOK = (
+    "{what}'s parameters {names} belong to a torch DistributedDataParallel module that has no slamb_comm "
+    "slamb_hook bound to this optimizer{found}: DDP averages every gradient densely, and SLAMB then exchanges "
+    "its momenta on top (more bytes than plain DDP, and SLAMB sees averaged gradients instead of each rank's "
+    "own). Fix: ddp.register_comm_hook(slamb_comm.adapters.torch.SlambHookState(optimizer), "
+    "slamb_comm.adapters.torch.slamb_hook) before the first backward pass; under Lightning use "
+    "slamb_comm.adapters.lightning.SlambDDPStrategy(), under Hugging Face slamb_comm.adapters.huggingface "
+    "(SlambTrainer, or install() after accelerator.prepare); see docs/integrations.md")
+DDP_WITH_TOPK_OPTIMIZER = (
+    "{what}'s parameters {names} belong to a torch DistributedDataParallel module: DDP averages every gradient "
+    "densely, and the top-k exchange then runs again on the average (more bytes than plain DDP). Fix: under DDP "
+    "keep your own optimizer unwrapped and register the top-k hook instead: ddp.register_comm_hook("
+    "slamb_comm.adapters.torch.TopKHookState(model.named_parameters(), slamb_comm.TopK(...)), "
+    "slamb_comm.adapters.torch.topk_hook); without DDP keep DistributedOptimizer(..., compression=TopK(...)) "
+    "and do not wrap the model in DDP; see docs/integrations.md")
+HOOK_NEVER_CALLED = (
+    "{hook} was handed to DDP (a {state}) but DDP never called it before the first optimizer step(): the "
+    "gradients were averaged densely by DDP (or not exchanged at all). Register it on the DistributedDataParallel "
+    "module that runs the forward and backward passes: ddp.register_comm_hook(state, {hook}). Under Lightning, "
+    "whose DDPStrategy registers comm hooks on CUDA only, use slamb_comm.adapters.lightning.SlambDDPStrategy; "
+    "under Hugging Face, slamb_comm.adapters.huggingface; see docs/integrations.md")
+
+
+def ddp_modules_holding(params):
+    """The live ``DistributedDataParallel`` modules that hold any of ``params``, each with the
+    comm-hook states registered on it: ``[(ddp, [state, ...])]``. One scan of the garbage
+    collector's objects (tens of milliseconds; run once per optimizer, at its first step)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    wanted = {id(p) for p in params}
+    out = []
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), DistributedDataParallel):
+            continue
+        held = getattr(obj, "_module_parameters", None)
+        if held is None:
+            held = list(obj.module.parameters())
+        if any(id(p) in wanted for p in held):
+            out.append((obj, [s for _, s in getattr(obj, "_comm_hooks", [])]))
+    return out
+
+
+def check_ddp_first_step(opt):
+    """At the first ``step()`` (or ``synchronize()``) of a distributed SLAMB or top-k optimizer
+    that finds a gradient, once: refuse the silent misuses, with an error naming the fix
+    (RuntimeError, raised alike on every rank that runs the same script, before this step's
+    exchange starts):
+
+    * its parameters belong to a DDP module without slamb_comm's hook bound to it (DDP then
+      averages every gradient densely on top of slamb_comm's own exchange);
+    * a ``SlambHookState`` bound to it that DDP never called (the hook was not registered on
+      the module that ran the backward pass, e.g. Lightning's DDPStrategy off CUDA).
+
+    Call from the distributed optimizer's ``step()`` after its closure ran, or from its
+    ``synchronize()``."""
+    if getattr(opt, "_ddp_checked", False) or not getattr(opt, "_member", True):
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if all(p.grad is None for p in params):
+        return  # a step without a backward pass (e.g. to create state): nothing was exchanged yet
+    opt._ddp_checked = True
+    slamb = hasattr(opt, "_launch")
+    what = f"the distributed {opt.__class__.__name__} optimizer"
+    hook_state = getattr(opt, "_slamb_hook_state", None)
+    for ddp, states in ddp_modules_holding(params):
+        mine = {id(p) for p in params}
+        names = [n for n, p in ddp.module.named_parameters() if id(p) in mine][:3]
+        if not slamb:
+            raise RuntimeError(DDP_WITH_TOPK_OPTIMIZER.format(what=what, names=names))
+        if not any(getattr(s, "optimizer", None) is opt for s in states):
+            found = f" (its comm hook states: {[type(s).__name__ for s in states]})" if states else ""
+            raise RuntimeError(DDP_WITHOUT_SLAMB_HOOK.format(what=what, names=names, found=found))
+    if hook_state is not None and hook_state.calls == 0:
+        raise RuntimeError(HOOK_NEVER_CALLED.format(hook="slamb_hook", state="SlambHookState"))

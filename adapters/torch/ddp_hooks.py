@@ -7,6 +7,7 @@ with error feedback. PyTorch's convention for compressed communication
 """
 
 import logging
+import weakref
 
 import numpy as np
 import torch
@@ -41,6 +42,19 @@ class SlambHookState:
                                    named_parameters=ddp.module.named_parameters())
         ddp.register_comm_hook(SlambHookState(opt), slamb_hook)
 
+    For frameworks that wrap the model in DDP before the optimizer exists (Lightning, Hugging
+    Face), the state can be made first and bound later, before the first backward pass::
+
+        state = SlambHookState()
+        ddp.register_comm_hook(state, slamb_hook)
+        ...                                    # the framework builds the optimizer
+        state.bind(DistributedOptimizer(SLAMB(...), named_parameters=...))
+
+    A backward pass that reaches the hook before :meth:`bind` raises RuntimeError naming the fix;
+    so does the optimizer's first ``step()`` if DDP never called the hook (it was registered
+    on another module, or a framework did not register it: Lightning's DDPStrategy registers
+    comm hooks on CUDA only). ``calls`` counts the buckets the hook was handed.
+
     Tuning guide (SLAMB's knobs live on the optimizer):
 
     * ``ratio`` (k): the fraction of each large tensor's momentum averaged per step. The paper
@@ -58,21 +72,42 @@ class SlambHookState:
     of its own: checkpoint ``opt.state_dict()``).
     """
 
-    __slots__ = ("optimizer",)
+    __slots__ = ("optimizer", "calls", "_unpickled")
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer=None):
+        self.optimizer = None
+        self.calls = 0
+        self._unpickled = False
+        if optimizer is not None:
+            self.bind(optimizer)
+
+    def bind(self, optimizer):
+        """Give the state its ``DistributedOptimizer(SLAMB(...))`` (before the first backward pass);
+        returns the optimizer. From then on the hook, not the parameters' gradient hooks, launches
+        its exchange."""
         if not hasattr(optimizer, "_launch"):
             raise TypeError("SlambHookState takes the DistributedOptimizer(SLAMB(...)) that you step, "
-                            f"got {type(optimizer).__name__}")
+                            f"got {type(optimizer).__name__}"
+                            + (" (wrap it: slamb_comm.adapters.torch.DistributedOptimizer(opt, named_parameters=...))"
+                               if type(optimizer).__name__ == "SLAMB" else ""))
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise RuntimeError("this SlambHookState is bound to another optimizer already; one state per optimizer")
+        if self.calls:
+            raise RuntimeError("SlambHookState.bind() after DDP already called slamb_hook: bind before the first "
+                               "backward pass")
         optimizer._ddp = True  # the hook launches the exchange; the parameters' own hooks stand down
         optimizer._coll.immediate = True  # DDP's buckets come in the same order on every rank
+        optimizer._slamb_hook_state = self  # its first step() checks that DDP called the hook
         self.optimizer = optimizer
+        return optimizer
 
     def __getstate__(self):
         return {}
 
     def __setstate__(self, state):
         self.optimizer = None
+        self.calls = 0
+        self._unpickled = True
 
 
 def slamb_hook(state, bucket):
@@ -81,7 +116,13 @@ def slamb_hook(state, bucket):
     agreement follows at the end of the backward pass (see the distributed optimizer)."""
     opt = state.optimizer
     if opt is None:
-        raise RuntimeError("this SlambHookState was unpickled without its optimizer; build a new one")
+        if state._unpickled:
+            raise RuntimeError("this SlambHookState was unpickled without its optimizer; build a new one")
+        raise RuntimeError("slamb_hook ran before its SlambHookState was bound to an optimizer: call "
+                           "state.bind(slamb_comm.adapters.torch.DistributedOptimizer(SLAMB(...), "
+                           "named_parameters=...)) before the first backward pass (Lightning: SlambDDPStrategy "
+                           "binds it for you)")
+    state.calls += 1
     opt._ddp_bucket(bucket)  # the optimizer's own method: the hook is its DDP front end
     return _done(bucket.buffer())
 
@@ -113,7 +154,8 @@ class TopKHookState:
     Pickling keeps the compression and the error buffers (host copies), not the process group.
     """
 
-    __slots__ = ("compression", "names", "process_group", "grad_scaler", "residuals", "_comms", "_warned")
+    __slots__ = ("compression", "names", "process_group", "grad_scaler", "residuals", "calls", "_comms", "_warned",
+                 "_watch", "__weakref__")
 
     def __init__(self, named_parameters, compression, process_group=None, grad_scaler=None):
         if not isinstance(compression, TopK):
@@ -125,6 +167,8 @@ class TopKHookState:
         self._warned = False
         self.residuals = {}  # parameter name -> its error buffer (a view into its bucket's, or a host copy)
         self._comms = {}
+        self.calls = 0  # buckets the hook was handed
+        self._watch = _watch_first_step(self)
 
     def step_traffic(self):
         """Bytes of the step just finished, summed over the buckets' exchanges (a
@@ -150,6 +194,7 @@ class TopKHookState:
         self.compression = state["compression"]
         self.names, self.process_group, self._comms = state["names"], None, {}
         self.grad_scaler, self._warned = None, False
+        self.calls, self._watch = 0, None
         self.load_state_dict(state["residuals"])
 
     def _comm(self, params, dtype):
@@ -179,6 +224,7 @@ def topk_hook(state, bucket):
     top-k of (gradient + error buffer), docs/algorithm.md section 2."""
     buf = bucket.buffer()
     params = bucket.parameters()
+    state.calls += 1
     dt = state_dtype(buf.dtype)
     comm, names = state._comm(params, dt)
     grads = [_arr.as_array(as_compute(g, dt)) for g in bucket.gradients()]
@@ -204,3 +250,35 @@ def topk_hook(state, bucket):
     for n, v in zip(names, lay.flat_views(comm.residual)):
         state.residuals[n] = v
     return _done(buf)
+
+
+def _watch_first_step(state):
+    """A global optimizer step post-hook, removed after the first ``step()`` of an optimizer over
+    the state's parameters with a gradient: if DDP never called :func:`topk_hook` by then,
+    RuntimeError naming the fix (the gradients were averaged densely, or not at all). Holds the
+    state weakly (and removes itself once the state is gone)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from .contract import HOOK_NEVER_CALLED
+
+    ref = weakref.ref(state)
+    ids = set(state.names)
+    handle = None
+
+    def check(optimizer, args, kwargs):
+        st = ref()
+        if st is None:
+            handle.remove()
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if ids.isdisjoint(map(id, params)):
+            return
+        if st.calls == 0 and all(p.grad is None for p in params if id(p) in ids):
+            return  # a step without a backward pass: nothing DDP could have exchanged yet
+        handle.remove()
+        st._watch = None
+        if st.calls == 0:
+            raise RuntimeError(HOOK_NEVER_CALLED.format(hook="topk_hook", state="TopKHookState"))
+
+    handle = register_optimizer_step_post_hook(check)
+    return handle

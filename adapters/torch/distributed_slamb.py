@@ -568,6 +568,7 @@ class DistributedSlamb(torch.optim.Optimizer):
         if not self._member:
             return super(self.__class__, self).step(closure)
         loss = run_closure(closure)
+        contract.check_ddp_first_step(self)  # once: a DDP module without slamb_hook, or a hook DDP never called
         self._raise_pending()
         if self._should_synchronize and self._synchronized:
             warnings.warn(contract.STEP_AFTER_SYNC)

@@ -117,6 +117,7 @@ class DistributedTopK(torch.optim.Optimizer):
         if not self._member:
             self._synchronized = True
             return
+        contract.check_ddp_first_step(self)  # once: not under a DDP that averages densely as well
         if not self._agreed:  # no backward pass ran here: agree now, as the others did at theirs
             contract.agree_step(self)
         self._agreed = False

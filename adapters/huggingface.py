@@ -1,0 +1,254 @@
+"""Hugging Face adapter: :class:`SlambTrainer` for ``transformers.Trainer`` and :func:`install`
+for an Accelerate loop, SLAMB or top-k on the DDP model they build.
+
+Neither ``transformers.Trainer`` (no comm-hook argument; its ``_wrap_model`` replaces the
+Accelerator's DDP kwargs) nor Accelerate (its ``comm_hook`` takes only its own enum) lets a
+user hand DDP a hook, and both wrap the model in DDP inside ``prepare``. So the hook goes in
+after ``prepare``:
+
+* **Trainer**: ``SlambTrainer(...)`` in place of ``Trainer(...)``. SLAMB by default (built from
+  the ``TrainingArguments``' lr, betas, eps and weight decay, with ``slamb={"ratio": 0.1, ...}``
+  for SLAMB's own options, or the ``SLAMB`` you pass in ``optimizers=``), or
+  ``compression=slamb_comm.TopK(0.01)`` for top-k under the Trainer's own optimizer.
+* **Accelerate**: one line after ``accelerator.prepare``::
+
+      model, optimizer, loader = accelerator.prepare(model, SLAMB(model.parameters(), lr=1e-3, ratio=0.1), loader)
+      slamb_comm.adapters.huggingface.install(model, optimizer)            # SLAMB
+      slamb_comm.adapters.huggingface.install(model, compression=slamb_comm.TopK(0.01),
+                                              grad_scaler=accelerator.scaler)  # or top-k, any optimizer
+
+Checkpoints: the Trainer saves rank 0's model and optimizer; :class:`SlambTrainer` also writes
+every rank's own model, optimizer and hook state (``slamb_rank<r>.pt`` in the checkpoint
+folder) and ``resume_from_checkpoint`` loads it, so the resumed run is the interrupted one.
+With Accelerate, :func:`save_rank_state` / :func:`load_rank_state` do the same beside
+``accelerator.save_state``. docs/integrations.md says what works and what resume means.
+"""
+
+import os
+import warnings
+
+import torch
+import transformers
+
+from slamb_comm.codecs import TopK
+
+from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+
+__all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state"]
+
+
+def _ddp_of(model):
+    """The ``DistributedDataParallel`` module ``model`` is or wraps (``.module`` chain), or None."""
+    seen = 0
+    while model is not None and seen < 8:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        model, seen = getattr(model, "module", None), seen + 1
+    return None
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def _swap(accelerated, inner):
+    """Put ``inner`` inside an Accelerate ``AcceleratedOptimizer`` in place of what it wrapped
+    (and redo its GradScaler step patch, which is bound to the wrapped optimizer's ``step``)."""
+    accelerated.optimizer = inner
+    if getattr(accelerated, "scaler", None) is not None:
+        from accelerate.optimizer import patch_optimizer_step
+
+        accelerated._optimizer_original_step_method = inner.step
+        accelerated._optimizer_patched_step_method = patch_optimizer_step(accelerated, inner.step)
+
+
+def install(model, optimizer=None, compression=None, grad_scaler=None):
+    """slamb_comm's DDP hook on a model that Accelerate (or a Trainer) already wrapped in DDP.
+
+    Args:
+        model: what ``accelerator.prepare`` returned (a ``DistributedDataParallel``, or a
+            wrapper whose ``.module`` chain holds one).
+        optimizer: for SLAMB (``compression=None``): what ``prepare`` returned for a
+            :class:`slamb_comm.adapters.torch.SLAMB` (an ``AcceleratedOptimizer``), or the SLAMB
+            itself, or a ``DistributedOptimizer(SLAMB(...))``. A bare SLAMB is wrapped in
+            :func:`~slamb_comm.adapters.torch.DistributedOptimizer` and put back inside the
+            ``AcceleratedOptimizer``, so the loop keeps calling ``optimizer.step()``.
+        compression: a :class:`slamb_comm.TopK` for top-k with error feedback under any torch
+            optimizer (``optimizer`` is then not needed).
+        grad_scaler: top-k only: the AMP ``GradScaler`` that scales the loss
+            (``accelerator.scaler``), so the error buffers stay in unscaled units.
+
+    Returns the hook state (:class:`SlambHookState` or :class:`TopKHookState`; ``state.calls``
+    counts the buckets DDP handed the hook), or None in a single process, where Accelerate
+    does not wrap the model and a bare SLAMB steps alone (P = 1). Call it before the first
+    backward pass, once per DDP model.
+    """
+    ddp = _ddp_of(model)
+    if ddp is None:
+        if _distributed():
+            raise TypeError(f"install() needs the DDP model that accelerator.prepare returned, got "
+                            f"{type(model).__name__} with {torch.distributed.get_world_size()} processes: pass "
+                            "the prepared model (FSDP and DeepSpeed are not supported)")
+        return None
+    if any(isinstance(s, (SlambHookState, TopKHookState)) for _, s in getattr(ddp, "_comm_hooks", [])):
+        raise RuntimeError("slamb_comm's hook is registered on this DDP model already: call install() once")
+    inner = getattr(optimizer, "optimizer", optimizer)  # inside an AcceleratedOptimizer, or as given
+    if compression is not None:
+        if not isinstance(compression, TopK):
+            raise TypeError(f"compression must be a slamb_comm.TopK, got {compression!r}")
+        if isinstance(inner, (SLAMB, OneBitLAMB)) or hasattr(inner, "_coll"):
+            raise TypeError(f"install(compression=TopK(...)) is for a plain torch optimizer, got "
+                            f"{type(inner).__name__}: under DDP keep your optimizer unwrapped, or install() "
+                            "without compression for SLAMB")
+        state = TopKHookState(ddp.module.named_parameters(), compression, grad_scaler=grad_scaler)
+        if getattr(optimizer, "_slamb_rank_hook_state", None) is not None:  # from load_rank_state
+            state.load_state_dict(optimizer._slamb_rank_hook_state)
+        ddp.register_comm_hook(state, topk_hook)
+        return state
+    if grad_scaler is not None:
+        raise ValueError("grad_scaler= is for top-k; SLAMB exchanges the unscaled gradients by itself")
+    if not isinstance(inner, SLAMB):
+        raise TypeError("install(model, optimizer) trains a slamb_comm.adapters.torch.SLAMB optimizer (prepare "
+                        f"SLAMB(model.parameters(), lr=..., ratio=0.1)), got {type(inner).__name__}; to keep your "
+                        "optimizer, use install(model, compression=slamb_comm.TopK(0.01))")
+    dist = inner if hasattr(inner, "_launch") else DistributedOptimizer(
+        inner, named_parameters=ddp.module.named_parameters())
+    if dist is not inner:
+        if optimizer is inner:
+            raise TypeError("install() got a bare SLAMB that is not inside an AcceleratedOptimizer: pass what "
+                            "accelerator.prepare returned (or DistributedOptimizer(SLAMB(...)) yourself)")
+        _swap(optimizer, dist)
+    ddp.register_comm_hook(SlambHookState(dist), slamb_hook)
+    return dist._slamb_hook_state
+
+
+# ----------------------------------------------------------------------------- per-rank state
+def save_rank_state(directory, model, optimizer, hook_state=None):
+    """Write this rank's own model, optimizer and top-k hook state to ``directory/slamb_rank<r>.pt``
+    (atomically): SLAMB's moments (and its parameters between periodic syncs) and top-k's error
+    buffers differ per rank, and a Trainer or ``accelerator.save_state`` keeps rank 0's only.
+    Call it on every rank."""
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    world = torch.distributed.get_world_size() if _distributed() else 1
+    unwrapped = _ddp_of(model).module if _ddp_of(model) is not None else model
+    own = {"world_size": world, "model": unwrapped.state_dict(), "optimizer": optimizer.state_dict(),
+           "hook_state": hook_state.state_dict() if isinstance(hook_state, TopKHookState) else None}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"slamb_rank{rank}.pt")
+    torch.save(own, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
+    return path
+
+
+def load_rank_state(directory, model, optimizer, hook_state=None):
+    """Load :func:`save_rank_state`'s file for this rank into ``model`` (after DDP wrapped it:
+    DDP's constructor broadcasts rank 0's parameters), ``optimizer`` and ``hook_state`` (a top-k
+    state, or None: then :func:`install` loads it when it makes the state). Returns False, with a
+    warning, if there is no such file or it was saved at another number of ranks: every rank
+    then goes on from what it has (rank 0's state, if the caller loaded it)."""
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    world = torch.distributed.get_world_size() if _distributed() else 1
+    path = os.path.join(directory, f"slamb_rank{rank}.pt")
+    problem = None if os.path.exists(path) else f"no per-rank state file {path}"
+    if problem is None:
+        own = torch.load(path, map_location="cpu", weights_only=False)  # written by save_rank_state
+        if own.get("world_size") != world:
+            problem = f"{path} was saved at {own.get('world_size')} ranks, this run has {world}"
+    if problem is not None:
+        warnings.warn(f"slamb_comm: {problem}: every rank resumes from rank 0's model and optimizer state (a valid "
+                      "run, but not the interrupted one: SLAMB's moments and top-k's error buffers are per rank; "
+                      "see docs/integrations.md)", stacklevel=2)
+        return False
+    unwrapped = _ddp_of(model).module if _ddp_of(model) is not None else model
+    unwrapped.load_state_dict(own["model"])
+    optimizer.load_state_dict(own["optimizer"])
+    if own["hook_state"] is not None:
+        if isinstance(hook_state, TopKHookState):
+            hook_state.load_state_dict(own["hook_state"])
+        else:
+            optimizer._slamb_rank_hook_state = own["hook_state"]
+    return True
+
+
+# ----------------------------------------------------------------------------- transformers.Trainer
+class _Install(transformers.TrainerCallback):
+    """Registers the hook at ``on_train_begin``: after ``accelerator.prepare`` wrapped the model
+    in DDP and the checkpoint was loaded, before the first forward pass."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        t = self.trainer
+        ddp = _ddp_of(t.model_wrapped)
+        if ddp is not None and any(isinstance(s, (SlambHookState, TopKHookState)) for _, s in ddp._comm_hooks):
+            return  # a second train() on the same DDP model
+        scaler = getattr(t.accelerator, "scaler", None) if t.compression is not None else None
+        t.hook_state = install(t.model_wrapped, t.optimizer, compression=t.compression, grad_scaler=scaler)
+
+
+class SlambTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training with SLAMB, or with top-k gradients, under DDP.
+
+    Args:
+        slamb: SLAMB's own options (``ratio``, ``beta3``, ``sync_interval``, ``value_dtype``,
+            ``dense_threshold``, ...) for the SLAMB built from the ``TrainingArguments``
+            (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay`` on the
+            Trainer's decay parameters). Ignored when ``optimizers=`` holds a SLAMB.
+        compression: a :class:`slamb_comm.TopK`: top-k with error feedback under the Trainer's
+            own optimizer (``args.optim``) instead of SLAMB.
+        *args, **kwargs: as ``transformers.Trainer``.
+
+    After ``train()`` starts, ``hook_state`` is the hook's state (``calls``; a TopK state's
+    ``step_traffic()``). The Trainer's defaults work: ``max_grad_norm=1.0`` clips each rank's
+    local gradient under SLAMB (the mean of the top-k payloads under top-k),
+    ``gradient_accumulation_steps`` uses DDP's ``no_sync`` (the hook sees the accumulated
+    gradient at the last micro-batch), ``save_steps`` checkpoints carry every rank's own state
+    and ``resume_from_checkpoint`` loads it. FSDP and DeepSpeed are refused.
+    """
+
+    def __init__(self, *args, slamb=None, compression=None, **kwargs):
+        if compression is not None and not isinstance(compression, TopK):
+            raise TypeError(f"compression must be None (SLAMB) or a slamb_comm.TopK, got {compression!r}")
+        if compression is not None and slamb is not None:
+            raise ValueError("pass slamb= (SLAMB's options) or compression= (top-k under your optimizer), not both")
+        super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ValueError("SlambTrainer runs on DDP; FSDP and DeepSpeed shard what SLAMB keeps per rank")
+        self.slamb = dict(slamb or {})
+        self.compression = compression
+        self.hook_state = None
+        self.add_callback(_Install(self))
+
+    def create_optimizer(self, model=None):
+        """The SLAMB optimizer (built from the arguments unless ``optimizers=`` gave one),
+        wrapped in ``DistributedOptimizer`` when there are several processes; under
+        ``compression=`` the Trainer's own optimizer."""
+        model = self.model if model is None else model
+        if self.compression is None and self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(model))
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+            opts = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                    "eps": self.args.adam_epsilon, **self.slamb}
+            self.optimizer = SLAMB([g for g in groups if g["params"]], **opts)
+        super().create_optimizer(model)
+        if self.compression is None:
+            if not isinstance(self.optimizer, SLAMB):
+                raise TypeError(f"SlambTrainer trains SLAMB, but optimizers= gave {type(self.optimizer).__name__}: "
+                                "pass a slamb_comm.adapters.torch.SLAMB, or none (SLAMB from the arguments), or "
+                                "compression=slamb_comm.TopK(...) to keep your optimizer")
+            if _distributed() and not hasattr(self.optimizer, "_launch"):
+                self.optimizer = DistributedOptimizer(self.optimizer, named_parameters=model.named_parameters())
+        return self.optimizer
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        super()._save_optimizer_and_scheduler(output_dir)
+        save_rank_state(output_dir, self.model, self.optimizer, self.hook_state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            load_rank_state(checkpoint, self.model, self.optimizer, self.hook_state)

@@ -1,0 +1,200 @@
+"""PyTorch Lightning adapter: :class:`SlambDDPStrategy`, DDP with slamb_comm's hook on every device.
+
+The change to a stock Lightning script is the strategy (and, for SLAMB, the optimizer that
+``configure_optimizers`` returns)::
+
+    # SLAMB: configure_optimizers returns slamb_comm.adapters.torch.SLAMB(self.parameters(), lr=..., ratio=0.1)
+    trainer = L.Trainer(strategy=slamb_comm.adapters.lightning.SlambDDPStrategy(), ...)
+    # top-k with error feedback under your own optimizer (configure_optimizers unchanged):
+    trainer = L.Trainer(strategy=SlambDDPStrategy(compression=slamb_comm.TopK(0.01)), ...)
+
+Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers comm hooks only when the device is
+CUDA, and builds the optimizer after wrapping the model in DDP; this strategy registers
+:func:`~slamb_comm.adapters.torch.slamb_hook` (or :func:`~slamb_comm.adapters.torch.topk_hook`)
+on every device type, CPU included, and binds the SLAMB optimizer once ``configure_optimizers``
+has returned it (wrapping a bare ``SLAMB`` in :func:`slamb_comm.adapters.torch.DistributedOptimizer`).
+
+Checkpoints: Lightning writes rank 0's model and optimizer state. SLAMB's moments (and, between
+periodic syncs, its parameters) and top-k's error buffers differ per rank, so every rank also
+writes its own ``<checkpoint>.slamb_rank<r>`` file beside the checkpoint, and a resume loads it:
+the resumed run is then the interrupted one (docs/integrations.md). Without those files (a
+checkpoint from another strategy, another number of ranks) every rank resumes from rank 0's
+state and a warning says so: a valid run, not the interrupted one (docs/algorithm.md section 8).
+"""
+
+import os
+import warnings
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from slamb_comm.codecs import TopK
+
+from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+
+__all__ = ["SlambDDPStrategy", "rank_state_path"]
+
+
+def rank_state_path(checkpoint_path, rank):
+    """Where :class:`SlambDDPStrategy` keeps rank ``rank``'s own state beside ``checkpoint_path``."""
+    return f"{os.fspath(checkpoint_path)}.slamb_rank{rank}"
+
+
+class SlambDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with slamb_comm's DDP communication hook, on CPU and CUDA alike.
+
+    Args:
+        compression: ``None`` (default): SLAMB -- ``configure_optimizers`` returns a
+            :class:`slamb_comm.adapters.torch.SLAMB` (wrapped here in ``DistributedOptimizer``)
+            or a ``DistributedOptimizer(SLAMB(...))``, and :func:`slamb_hook` keeps each rank's
+            gradients local while SLAMB exchanges its momenta. A :class:`slamb_comm.TopK`:
+            top-k gradients with error feedback (:func:`topk_hook`) under whatever torch
+            optimizer ``configure_optimizers`` returns.
+        **kwargs: anything ``DDPStrategy`` takes (``bucket_cap_mb``, ``find_unused_parameters``,
+            ``process_group_backend``, ...), except the comm-hook arguments, which this
+            strategy sets.
+
+    After ``fit`` starts, ``hook_state`` is the :class:`SlambHookState` or :class:`TopKHookState`
+    (``hook_state.calls`` counts the buckets DDP handed the hook; a TopK state's
+    ``step_traffic()`` gives the bytes). What works, and how (each tested at 2 ranks on gloo):
+    ``precision='bf16-mixed'``; ``'16-mixed'`` with Lightning's GradScaler (handed to the top-k
+    state; on CPU Lightning maps ``precision='16-mixed'`` to bf16, ``plugins=[MixedPrecision(
+    '16-mixed', 'cpu')]`` keeps fp16); ``gradient_clip_val`` (under SLAMB it clips each
+    rank's local gradient, as with Horovod); ``accumulate_grad_batches`` (DDP's ``no_sync``:
+    the hook runs on the last micro-batch, with the accumulated gradient), ``ModelCheckpoint``
+    and ``fit(ckpt_path=...)`` with per-rank state files (see the module's docstring).
+    """
+
+    strategy_name = "slamb_ddp"
+
+    def __init__(self, compression=None, **kwargs):
+        for bad in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if kwargs.get(bad) is not None:
+                raise ValueError(f"SlambDDPStrategy registers slamb_comm's hook itself: pass no {bad}= "
+                                 "(compression=slamb_comm.TopK(...) selects top-k, None SLAMB)")
+        if compression is not None and not isinstance(compression, TopK):
+            raise TypeError(f"compression must be None (SLAMB) or a slamb_comm.TopK, got {compression!r}")
+        super().__init__(**kwargs)
+        self.compression = compression
+        self.hook_state = None
+        self._rank_state = None  # this rank's hook state from the checkpoint, until the state exists
+        self._rank_model = None  # and its parameters, put back after DDP broadcast rank 0's
+
+    # ------------------------------------------------------------------ the hook
+    def configure_ddp(self):
+        """Wrap the model in DDP (as ``DDPStrategy``) and register slamb_comm's hook, whatever the device."""
+        super().configure_ddp()
+        if self._rank_model is not None:  # DDP's constructor broadcast rank 0's parameters: this rank's own again
+            self.lightning_module.load_state_dict(self._rank_model)
+            self._rank_model = None
+        if self.compression is not None:
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            state = TopKHookState(self.lightning_module.named_parameters(), self.compression, grad_scaler=scaler)
+            if self._rank_state is not None:
+                state.load_state_dict(self._rank_state)
+                self._rank_state = None
+            self.model.register_comm_hook(state, topk_hook)
+        else:
+            state = SlambHookState()  # bound in setup_optimizers, once configure_optimizers has run
+            self.model.register_comm_hook(state, slamb_hook)
+        self.hook_state = state
+
+    def setup_optimizers(self, trainer):
+        """``configure_optimizers`` (as ``DDPStrategy``), then bind its SLAMB optimizer to the hook."""
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or self.hook_state is None:
+            return
+        opts = list(self.optimizers)
+        if self.compression is not None:
+            for opt in opts:
+                if isinstance(opt, (SLAMB, OneBitLAMB)) or hasattr(opt, "_coll"):
+                    raise TypeError(f"SlambDDPStrategy(compression=TopK(...)) exchanges top-k gradients for a plain "
+                                    f"torch optimizer, but configure_optimizers returned {type(opt).__name__}: return "
+                                    "your torch optimizer (not DistributedOptimizer), or SlambDDPStrategy() for SLAMB")
+            return
+        slambs = [i for i, o in enumerate(opts) if isinstance(o, SLAMB)]
+        others = [type(o).__name__ for o in opts if not isinstance(o, SLAMB)]
+        if len(slambs) != 1 or others:
+            raise TypeError("SlambDDPStrategy() trains the one SLAMB optimizer that configure_optimizers returns "
+                            f"(got {[type(o).__name__ for o in opts]}): return slamb_comm.adapters.torch.SLAMB("
+                            "self.parameters(), lr=..., ratio=0.1); to keep your own optimizer, use "
+                            "SlambDDPStrategy(compression=slamb_comm.TopK(0.01)) instead")
+        i = slambs[0]
+        bare = opts[i]
+        dist = bare if hasattr(bare, "_launch") else DistributedOptimizer(
+            bare, named_parameters=self.lightning_module.named_parameters())
+        self.hook_state.bind(dist)
+        if dist is not bare:
+            opts[i] = dist
+            self.optimizers = opts  # Lightning's setter rebuilds its LightningOptimizer wrappers
+            for config in self.lr_scheduler_configs:  # the schedulers step the same param_groups
+                if getattr(config.scheduler, "optimizer", None) is bare:
+                    config.scheduler.optimizer = dist
+                    _mark_step_tracked(dist)
+
+    # ------------------------------------------------------------------ per-rank checkpoints
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        """Every rank writes its own model, optimizer and hook state beside the checkpoint
+        (atomically); then rank 0 writes Lightning's checkpoint, as ``DDPStrategy`` does."""
+        own = {"world_size": self.world_size, "rank": self.global_rank, "state_dict": checkpoint.get("state_dict"),
+               "optimizer_states": checkpoint.get("optimizer_states"),
+               "hook_state": self.hook_state.state_dict() if isinstance(self.hook_state, TopKHookState) else None}
+        path = rank_state_path(filepath, self.global_rank)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp"
+        torch.save(own, tmp)
+        os.replace(tmp, path)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath):
+        """Every rank removes its own state file; rank 0 the checkpoint (``ModelCheckpoint``'s rotation)."""
+        path = rank_state_path(filepath, self.global_rank)
+        if os.path.exists(path):
+            os.remove(path)
+        super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        """Lightning's checkpoint, with this rank's own model and optimizer state put in (from
+        its ``.slamb_rank<r>`` file); without that file, rank 0's, with a warning."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = rank_state_path(checkpoint_path, self.global_rank)
+        problem = None
+        if not os.path.exists(path):
+            problem = f"no per-rank state file {path}"
+        else:
+            own = torch.load(path, map_location="cpu", weights_only=False)  # written by save_checkpoint above
+            if own.get("world_size") != self.world_size:
+                problem = f"{path} was saved at {own.get('world_size')} ranks, this run has {self.world_size}"
+        if problem is not None:
+            warnings.warn(f"slamb_comm: {problem}: every rank resumes from rank 0's model and optimizer state (a "
+                          "valid run, but not the interrupted one: SLAMB's moments and top-k's error buffers are "
+                          "per rank; see docs/integrations.md)", stacklevel=2)
+            return checkpoint
+        checkpoint = dict(checkpoint)
+        if own["state_dict"] is not None:
+            checkpoint["state_dict"] = own["state_dict"]
+            self._rank_model = own["state_dict"]
+        if own["optimizer_states"] is not None:
+            checkpoint["optimizer_states"] = own["optimizer_states"]
+        if own["hook_state"] is not None:
+            if isinstance(self.hook_state, TopKHookState):
+                self.hook_state.load_state_dict(own["hook_state"])
+            else:
+                self._rank_state = own["hook_state"]  # the state is made in configure_ddp, after this
+        return checkpoint
+
+
+def _mark_step_tracked(opt):
+    """As torch's LR schedulers mark an optimizer's ``step`` (so a scheduler moved onto the
+    distributed optimizer does not warn that it stepped before the optimizer)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step = opt.step
+
+    def wrapper(*args, **kwargs):
+        opt._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper
