@@ -344,3 +344,21 @@ def test_ddp_step_benchmark_times_every_arm_against_stock_ddp(tmp_path):
     assert [r["arm"] for r in rows] == ["ddp_lamb", "ddp_adamw", "hook_fp32", "hook_fp16", "hook_flat"]
     assert float(rows[0]["ratio_to_ddp_lamb"]) == 1.0 and all(float(r["step_ms"]) > 0 for r in rows)
     assert "| hook_fp16 |" in out.stdout
+
+
+@pytest.mark.parametrize("framework", ["lightning", "trainer"])
+def test_integrations_benchmark_runs_every_arm(framework, tmp_path):
+    """benchmarks/integrations.py under torchrun (one repeat of 3 steps): a row per arm, the
+    compressed arms' bytes under the dense ones. Nothing timed is asserted."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    csv_path = tmp_path / "integrations.csv"
+    out = subprocess.run(["timeout", "240", torchrun, "--nproc_per_node", "2", "benchmarks/integrations.py",
+                          "--framework", framework, "--repeats", "1", "--steps", "3", "--warmup", "1",
+                          "--tmp", str(tmp_path), "--out", str(csv_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [r["arm"] for r in rows] == ["dense", "slamb", "topk"]
+    assert all(0 < int(r["payload_bytes"]) < int(r["dense_bytes"]) for r in rows[1:])
