@@ -225,6 +225,7 @@ def topk_hook(state, bucket):
     buf = bucket.buffer()
     params = bucket.parameters()
     state.calls += 1
+    _drop_finished_watches()
     dt = state_dtype(buf.dtype)
     comm, names = state._comm(params, dt)
     grads = [_arr.as_array(as_compute(g, dt)) for g in bucket.gradients()]
@@ -252,33 +253,50 @@ def topk_hook(state, bucket):
     return _done(buf)
 
 
+_FINISHED_WATCHES = []  # handles of first-step checks that are done, removed outside torch's hook iteration
+
+
+def _drop_finished_watches():
+    while _FINISHED_WATCHES:
+        _FINISHED_WATCHES.pop().remove()
+
+
 def _watch_first_step(state):
-    """A global optimizer step post-hook, removed after the first ``step()`` of an optimizer over
+    """A global optimizer step post-hook, retired after the first ``step()`` of an optimizer over
     the state's parameters with a gradient: if DDP never called :func:`topk_hook` by then,
     RuntimeError naming the fix (the gradients were averaged densely, or not at all). Holds the
-    state weakly (and removes itself once the state is gone)."""
+    state weakly. A finished check is removed later (at the next hook call or registration), not
+    from inside torch's iteration over its global hooks, which a removal would mutate."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from .contract import HOOK_NEVER_CALLED
 
+    _drop_finished_watches()
     ref = weakref.ref(state)
     ids = set(state.names)
-    handle = None
+    box = {"handle": None, "done": False}
+
+    def retire():
+        if not box["done"]:
+            box["done"] = True
+            _FINISHED_WATCHES.append(box["handle"])
 
     def check(optimizer, args, kwargs):
         st = ref()
+        if box["done"]:
+            return
         if st is None:
-            handle.remove()
+            retire()
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if ids.isdisjoint(map(id, params)):
             return
         if st.calls == 0 and all(p.grad is None for p in params if id(p) in ids):
             return  # a step without a backward pass: nothing DDP could have exchanged yet
-        handle.remove()
+        retire()
         st._watch = None
         if st.calls == 0:
             raise RuntimeError(HOOK_NEVER_CALLED.format(hook="topk_hook", state="TopKHookState"))
 
-    handle = register_optimizer_step_post_hook(check)
-    return handle
+    box["handle"] = register_optimizer_step_post_hook(check)
+    return box["handle"]
