@@ -107,18 +107,24 @@ def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype, fused):
     (comm,) = opt.communicators
     assert comm.size == P() and isinstance(comm.transport, st.TorchTransport)
     tol = dict(rtol=2e-4, atol=2e-5) if value_dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
+    gather_failures(against_reference(net, model, opt, ref, "section 1", tol))
+
+
+def against_reference(net, model, opt, ref, section, tol, steps=8, H=3):
+    """Eight steps of ``opt`` next to the dense reference ``ref``: what differs, as messages."""
+    (comm,) = opt.communicators
     failed = []
-    for t in range(1, 9):
+    for t in range(1, steps + 1):
         xs = everyones_params(model)
         grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
         mask = np.asarray(comm.mask.select(t))
         train_step(net, opt, t)
         ref.step(grads, mask)
         if not np.allclose(flat_params(model), ref.x[R()], **tol):
-            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 1")
-        if (t - 1) % 3 == 0 and not same_on_all_ranks(model):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from {section}")
+        if (t - 1) % H == 0 and not same_on_all_ranks(model):
             failed.append(f"step {t}: parameters differ right after a periodic sync")
-    gather_failures(failed)
+    return failed
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -134,17 +140,7 @@ def test_sadamw_matches_section11_every_step(use_ddp, fused):
     if use_ddp:
         net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
     ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.01, eps=1e-8, wd=0.01, beta3=0.9, H=3, c_min=1.0, c_max=1.0)
-    (comm,) = opt.communicators
-    failed = []
-    for t in range(1, 9):
-        xs = everyones_params(model)
-        grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
-        mask = np.asarray(comm.mask.select(t))
-        train_step(net, opt, t)
-        ref.step(grads, mask)
-        if not np.allclose(flat_params(model), ref.x[R()], rtol=2e-4, atol=2e-5):
-            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 11")
-    gather_failures(failed)
+    gather_failures(against_reference(net, model, opt, ref, "section 11", dict(rtol=2e-4, atol=2e-5)))
 
 
 # A ratio schedule as the reference's CIFAR-10 runs (denser first), with a change before the
