@@ -32,6 +32,11 @@ What this module holds:
   exchange (docs/algorithm.md section 2) for any optimizer.
 * :func:`DistributedOptimizer` -- the drop-in for ``hvd.DistributedOptimizer``: the
   distributed optimizers of :mod:`slamb_comm.adapters.torch` on Horovod's collectives.
+* Elastic Horovod: under ``horovodrun --min-np/--max-np/--host-discovery-script`` the SLAMB and
+  TopK optimizers are built for their worker alone, and Horovod's own
+  ``hvd.elastic.TorchState(model=..., optimizer=...)`` syncs them at every reset through its
+  public handler registry: communicators rebuilt for the new world, state made by
+  docs/algorithm.md section 10's rule from the workers that held one (:func:`_elastic_sync`).
 
 Everything torch-level (the SLAMB optimizer, dtype handling, the distributed optimizers'
 hooks and steps) lives in :mod:`slamb_comm.adapters.torch`; this module holds only what is
@@ -48,10 +53,14 @@ parameter's dtype. With Horovod's own compressions, bfloat16 gradients are sent 
 (or float16 with ``hvd.Compression.fp16``) and cast back.
 """
 
+import abc
 import contextlib
+import hashlib
 import itertools
+import logging
 import os
 import sys
+import weakref
 
 import torch
 
@@ -65,6 +74,8 @@ from slamb_comm.adapters.torch.params import check_named_parameters
 from slamb_comm.adapters.torch.tensors import torch_view
 
 __all__ = ["HorovodTransport", "SLAMB", "SAdamW", "OneBitLAMB", "TopK", "DistributedOptimizer"]
+
+_log = logging.getLogger("slamb_comm")
 
 
 # ---------------------------------------------------------------------------- transport
@@ -248,6 +259,226 @@ class _Bf16Safe:
         return out.to(dt) if dt is not None else out
 
 
+# ---------------------------------------------------------------------------- Elastic Horovod
+class _AloneUntilSynced(_HorovodCollectives):
+    """Collectives of an optimizer built under Elastic Horovod before it joined the world: this
+    rank alone (no transport, so building it is not collective). Nothing is exchanged through
+    them: every hook, ``synchronize()`` and ``step()`` joins the world first."""
+
+    def __init__(self, process_set):  # noqa: super() would read the world's size
+        self.process_set, self.member, self.size, self.rank = process_set, True, 1, 0
+
+    def transport(self):
+        return None
+
+
+class _Elastic(abc.ABC):
+    """What Horovod's elastic ``TorchState`` recognises as slamb_comm's distributed optimizers
+    (their classes are registered as they are built)."""
+
+
+_ELASTIC_COUNT = itertools.count()  # numbers the elastic optimizers alike on every worker (by construction order)
+_ELASTIC_OPTIMIZERS = weakref.WeakSet()  # those that a TorchState holds: their model's parameters sync with them
+
+
+def _elastic_check(opt):
+    """Before a hook, ``synchronize()`` or ``step()``: join the world if this optimizer has not
+    yet, or again if it changed (a reset that removed workers skips TorchState's sync)."""
+    if not opt._elastic_synced or hvd.size() != opt._coll.size or hvd.rank() != opt._coll.rank:
+        _elastic_sync(opt, params=False)  # no parameter is written here: a backward pass may be running
+
+
+def _checked_hook(make_hook):
+    def _make_hook(self, p):
+        hook = make_hook(self, p)
+
+        def checked(param):
+            _elastic_check(self)
+            return hook(param)
+        return checked
+    return _make_hook
+
+
+def _checked(method):
+    def checked(self, *args, **kwargs):
+        _elastic_check(self)
+        return method(self, *args, **kwargs)
+    checked.__name__, checked.__doc__ = method.__name__, method.__doc__
+    return checked
+
+
+_ELASTIC_METHODS = {"_make_hook": _checked_hook, "synchronize": _checked, "step": _checked}
+
+
+def _elastic_sync(opt, params=True):
+    """Collective over the workers of the reset world: rebuild ``opt``'s communicators for it
+    (the layout and option agreement run again) and give every worker docs/algorithm.md section
+    10's state, made from the workers that held one ("holders": those that trained before the
+    reset) -- floating-point state that differs between them averaged in float64 (m, v, TopK's
+    error buffers; with ``params``, the parameters), everything else from the first holder.
+    At the first sync, nobody holds state yet: everyone takes the first worker's."""
+    holder = bool(opt._elastic_synced)
+    before = opt._coll.size
+    coll = _HorovodCollectives(opt.process_set)
+    tag = f"slamb_comm.elastic{opt._elastic_index}"
+    opt._coll, opt._member = coll, coll.member
+    opt._flag_name, opt._agreements = f"{tag}.trainable", itertools.count()
+    transport = coll.transport()
+    transport.prefix, transport._calls = f"{tag}.t", itertools.count()  # the same names on every worker
+    if hasattr(opt, "_slamb_transport"):  # SLAMB
+        opt._slamb_transport, opt._exchanges = transport, itertools.count()
+        opt._build_engines()  # collective; keeps this worker's state
+        opt._index_params()
+        opt._options_agreed = False
+        opt._in_hooks = not opt._flat_mode()
+    else:  # TopK
+        opt._transport, opt._topk, opt._bucketed = transport, [], set()
+        opt._add_buckets(opt._requires_update)  # collective; the error buffers come back from the state below
+    plist = [p for g in opt.param_groups for p in g["params"]]
+    state = {"opt": opt.state_dict(), "params": [p.detach() for p in plist] if params else []}
+    merged, holders, taken = _merge(state, holder, tag)
+    for p, v in zip(plist, merged["params"]):
+        p.data.copy_(v)
+    opt.load_state_dict(merged["opt"])
+    opt._elastic_synced = True
+    if holders is not None:
+        _log.warning("slamb_comm: Elastic Horovod reset: %s from %d to %d workers; the state of the %d that held one "
+                     "averaged%s (docs/algorithm.md section 10)%s", type(opt).__name__, before, coll.size,
+                     len(holders), ", with the parameters" if params else "",
+                     f"; taken from worker {holders[0]}, as it differed: {taken[:5]}" if taken else "")
+
+
+class _Slot:
+    """A tensor's place in a state's skeleton (shape and dtype: what a worker without it allocates)."""
+
+    def __init__(self, i, t):
+        self.i, self.shape, self.dtype = i, tuple(t.shape), t.dtype
+
+
+def _skeleton(v, leaves):
+    if isinstance(v, torch.Tensor):
+        leaves.append(v.detach())
+        return _Slot(len(leaves) - 1, v)
+    if isinstance(v, dict):
+        return type(v)((k, _skeleton(x, leaves)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return type(v)(_skeleton(x, leaves) for x in v)
+    return v
+
+
+def _fill(v, values):
+    if isinstance(v, _Slot):
+        return values[v.i]
+    if isinstance(v, dict):
+        return type(v)((k, _fill(x, values)) for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return type(v)(_fill(x, values) for x in v)
+    return v
+
+
+def _digest(t):
+    a = t.detach().cpu().contiguous()
+    if a.dtype in (torch.bfloat16, torch.bool):
+        a = a.view(torch.uint8) if a.dtype == torch.bool else a.view(torch.int16)
+    return hashlib.sha1(str((tuple(a.shape), str(t.dtype))).encode() + a.numpy().tobytes()).hexdigest()
+
+
+_WIRE = {torch.bool: torch.uint8, torch.bfloat16: torch.float32}  # what Horovod's collectives cannot carry
+
+
+def _merge(state, holder, tag):
+    """The merged state (see :func:`_elastic_sync`), the holders (None at the first sync) and the
+    paths of non-float entries that differed between holders. Collective; raises on every worker."""
+    me, size = hvd.rank(), hvd.size()
+    flags = hvd.allgather_object(holder, name=f"{tag}.holders")
+    holders = [r for r, f in enumerate(flags) if f]
+    first = not holders
+    holders = holders or list(range(size))
+    root = holders[0]
+    mine = me in holders
+    leaves = []
+    skel = _skeleton(state, leaves)
+    skel = hvd.broadcast_object(skel if me == root else None, root_rank=root, name=f"{tag}.skeleton")
+    slots = _slots(skel, [])
+    problem = None
+    if mine and [(tuple(t.shape), t.dtype) for t in leaves] != [(s.shape, s.dtype) for s in slots]:
+        problem = (f"worker {me}'s optimizer state differs in structure from worker {root}'s (other parameters, "
+                   "options or buckets)")
+    digests = hvd.allgather_object((problem, [_digest(t) for t in leaves] if mine and problem is None else None),
+                                   name=f"{tag}.digests")
+    problems = [f"{r}: {p}" for r, (p, _) in enumerate(digests) if p]
+    if problems:
+        raise RuntimeError("slamb_comm: Elastic Horovod cannot merge the workers' states: " + "; ".join(problems))
+    values, pending, taken = [None] * len(slots), [], []
+    for s in slots:
+        differ = len({digests[r][1][s.i] for r in holders}) > 1
+        if differ and s.dtype.is_floating_point and not first:  # averaged over the holders, in float64
+            acc = leaves[s.i].to(torch.float64, copy=True) if mine else torch.zeros(s.shape, dtype=torch.float64)
+            pending.append((s, acc, hvd.allreduce_async_(acc, op=hvd.Sum, name=f"{tag}.mean.{s.i}"), len(holders)))
+        else:  # equal on every holder, not a number, or the first sync: the first holder's
+            if differ and not first:
+                taken.append(s.i)
+            wire = _WIRE.get(s.dtype, s.dtype)
+            buf = leaves[s.i].to(wire, copy=True) if me == root else torch.empty(s.shape, dtype=wire)
+            pending.append((s, buf, hvd.broadcast_async_(buf, root_rank=root, name=f"{tag}.take.{s.i}"), 0))
+    for s, buf, handle, n in pending:
+        hvd.synchronize(handle)
+        values[s.i] = (buf / n if n else buf).to(s.dtype)
+    return _fill(skel, values), None if first else holders, taken
+
+
+def _slots(v, out):
+    if isinstance(v, _Slot):
+        out.append(v)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _slots(x, out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _slots(x, out)
+    return out
+
+
+def _install_elastic_handlers():
+    """Once per process: Horovod's ``TorchState`` syncs slamb_comm's distributed optimizers (and
+    the parameters they train) with :func:`_elastic_sync`, through its public handler registry.
+    (Imported here: horovod.torch.elastic is only needed under Elastic Horovod.)"""
+    from horovod.torch.elastic.state import (ModelStateHandler, OptimizerStateHandler, get_handler_registry,
+                                             set_handler_registry)
+
+    if any(getattr(h, "_slamb_comm", False) for _, h in get_handler_registry()):
+        return
+
+    class _ModelHandler(ModelStateHandler):
+        """A model in a ``TorchState``: the parameters that a slamb_comm optimizer of a TorchState
+        trains are synced with that optimizer's state (averaged over the holders, section 10);
+        the rest (buffers, other parameters) is broadcast from rank 0, as Horovod's own handler does."""
+
+        _slamb_comm = True
+
+        def sync(self):
+            ours = {id(p) for opt in list(_ELASTIC_OPTIMIZERS) for g in opt.param_groups for p in g["params"]}
+            if not {id(p) for p in self.value.parameters()} & ours:
+                return super().sync()
+            rest = {k: v for k, v in self.value.state_dict(keep_vars=True).items() if id(v) not in ours}
+            hvd.broadcast_parameters(rest, root_rank=0)
+
+    class _OptimizerHandler(OptimizerStateHandler):
+        """A slamb_comm distributed optimizer in a ``TorchState``: its sync is :func:`_elastic_sync`."""
+
+        _slamb_comm = True
+
+        def __init__(self, optimizer):
+            super().__init__(optimizer)
+            _ELASTIC_OPTIMIZERS.add(optimizer)
+
+        def sync(self):
+            _elastic_sync(self.value, params=True)
+
+    set_handler_registry([(_Elastic, _OptimizerHandler), (torch.nn.Module, _ModelHandler)]
+                         + list(get_handler_registry()))
+
+
 # ---------------------------------------------------------------------------- the factory
 def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
@@ -281,6 +512,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     ignored there (slamb_comm fuses each bucket itself); sparse gradients are exchanged
     dense (as with ``sparse_as_dense=True``). bfloat16 is exchanged as float32: Horovod's
     collectives carry no bfloat16 or bool.
+
+    Under Elastic Horovod (``HOROVOD_ELASTIC=1``, set by ``horovodrun --min-np/--max-np``):
+    SLAMB and TopK work with ``hvd.elastic.TorchState`` (docs/algorithm.md section 10, Elastic
+    Horovod); 1-bit LAMB and ``process_set=`` raise at construction.
 
     ``abort_on_exception`` (slamb_comm's): an exception nobody catches on one rank ends that
     process at once (after printing it), without Horovod's shutdown, so that the launcher
@@ -319,13 +554,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                                         sparse_as_dense=sparse_as_dense, process_set=process_set)
-    if os.environ.get("HOROVOD_ELASTIC") == "1":  # set by horovodrun --min-np/--max-np/--host-discovery-script
+    elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun --min-np/--max-np/--host-discovery-script
+    if elastic and onebit:
         raise RuntimeError(
-            "slamb_comm's distributed optimizers do not support Elastic Horovod yet: their communicators are sized "
-            "for the ranks that built them, and a worker that joins builds its optimizer (a collective) while the "
-            "others are in the reset's broadcast, so the job would hang. Run without --min-np/--max-np/"
-            "--host-discovery-script, or under torchrun --max-restarts with slamb_comm.checkpoint, whose load "
-            "resizes a checkpoint to the new number of workers (docs/algorithm.md section 10)")
+            "OneBitLAMB does not support Elastic Horovod: its server errors are cut into one chunk per rank, and a "
+            "worker that leaves takes its chunk with it. Use SLAMB or a TopK compression under Elastic Horovod, or "
+            "torchrun --max-restarts with slamb_comm.checkpoint, whose load re-chunks them (docs/algorithm.md "
+            "section 10)")
+    if elastic and process_set is not hvd.global_process_set:
+        raise ValueError("under Elastic Horovod slamb_comm's distributed optimizers run on all ranks: pass no "
+                         "process_set (Horovod's process sets do not survive a reset either)")
     if onebit and compression is not hvd.Compression.none:
         raise ValueError("OneBitLAMB compresses momenta to 1 bit itself: pass no compression")
     if slamb and topk:
@@ -339,9 +577,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     if slamb and compression is hvd.Compression.fp16:
         for g in optimizer.param_groups:
             g["value_dtype"] = "float16"
-    dist = wrap(optimizer, names, compression, backward_passes_per_step, _HorovodCollectives(process_set),
-                sum_op=op == hvd.Sum, gradient_predivide_factor=gradient_predivide_factor, grad_scaler=grad_scaler)
+    # Under Elastic Horovod the optimizer is built for this rank alone: building it for the world is
+    # collective, and a worker that joins builds while the others are in the reset's broadcasts.
+    # It joins the world at TorchState's sync (or its first step): see _elastic_sync.
+    coll = _AloneUntilSynced(process_set) if elastic else _HorovodCollectives(process_set)
+    dist = wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=op == hvd.Sum,
+                gradient_predivide_factor=gradient_predivide_factor, grad_scaler=grad_scaler,
+                methods=_ELASTIC_METHODS if elastic else None)
     dist.op, dist.process_set = op, process_set
+    if elastic:
+        dist._elastic_index, dist._elastic_synced = next(_ELASTIC_COUNT), False
+        _Elastic.register(type(dist))
+        _install_elastic_handlers()
     if abort_on_exception:
         _end_job_on_uncaught_exception()
     return dist

@@ -147,6 +147,13 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--csv", default=None, help="write one row per evaluation (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--save-at", type=int, default=None,
+                    help="after this step, save every rank's model and optimizer state with slamb_comm.checkpoint "
+                         "into --checkpoint-dir (and train on)")
+    ap.add_argument("--resume", action="store_true",
+                    help="start from the slamb_comm.checkpoint in --checkpoint-dir, on any number of ranks: saved by "
+                         "another number, it is resized by docs/algorithm.md section 10's rule")
+    ap.add_argument("--checkpoint-dir", default=None, help="directory of --save-at / --resume")
 
 
 def onebit_freeze_step(args):
@@ -238,13 +245,26 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
     import horovod.torch as hvd
     import torch
 
+    from slamb_comm import checkpoint
+    from slamb_comm.adapters.horovod import HorovodTransport
+
     torch.set_num_threads(args.threads)
+    if (args.save_at is not None or args.resume) and not args.checkpoint_dir:
+        raise SystemExit("--save-at and --resume need --checkpoint-dir")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt, bytes_fn = build_optimizer(args, model)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     me, P = hvd.rank(), hvd.size()
     n_params = sum(p.numel() for p in model.parameters())
-    rows, moved, dense_moved = [], 0, 0
+    rows, moved, dense_moved, first = [], 0, 0, 1
+    if args.resume:  # after the broadcasts: each rank's own (or resized) state, not rank 0's
+        saved = checkpoint.load(args.checkpoint_dir, HorovodTransport())
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        first, moved, dense_moved = int(saved["step"]) + 1, int(saved["bytes"]), int(saved["dense_bytes"])
+        if me == 0:
+            print(f"resumed at step {first - 1} from {args.checkpoint_dir} (saved by {saved['ranks']} ranks, "
+                  f"now {P})", flush=True)
     bar = None
     if me == 0:
         print(f"{label}: {args.optimizer} on {P} ranks, {n_params} parameters, lr {args.lr}"
@@ -257,10 +277,10 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
         if not args.no_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=args.steps, desc=args.optimizer, unit="step")
+            bar = tqdm(total=args.steps, initial=first - 1, desc=args.optimizer, unit="step")
     t0 = time.perf_counter()
     step_times = []  # wall time of each training step (batch, forward, backward, exchange, update), no evaluation
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         ts = time.perf_counter()
         x, y = batch_fn(step, me)
         opt.zero_grad()
@@ -289,6 +309,10 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
                        f"{metric:.4f}  payload/step {traffic.payload_bytes / 1e3:.1f} kB "
                        f"({traffic.payload_bytes / (n_params * 4):.1%} of dense)  total {moved / dense_moved:.1%}")
                 (bar.write if bar is not None else print)(msg)
+        if step == args.save_at:
+            checkpoint.save(args.checkpoint_dir, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                                  "bytes": moved, "dense_bytes": dense_moved, "ranks": P},
+                            HorovodTransport())
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -1126,3 +1126,47 @@ def test_topk_two_buckets_non_finite_in_the_second_changes_neither(mode):
     for c, dt in zip(opt.communicators, (np.float32, np.float64)):
         assert np.allclose(c.residual, errors[dt][rank], rtol=1e-6, atol=1e-7)
     assert same_on_all_ranks(a, f"topk.2buckets.a.{mode}") and same_on_all_ranks(b, f"topk.2buckets.b.{mode}")
+
+
+# ----------------------------------------------------------------------------- Elastic Horovod's merge
+def _elastic_state(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return {"opt": {"state": {0: {"exp_avg": torch.randn(5, 3, generator=g),  # differs: averaged
+                                  "exp_avg_sq": torch.rand(7, generator=g, dtype=torch.float64),
+                                  "freshness": torch.full((4,), 0.3),  # equal everywhere: kept bitwise
+                                  "step": torch.tensor(9, dtype=torch.int64),
+                                  "mask_seed": torch.tensor(1000 + rank),  # differs, not a float: the first holder's
+                                  "half": torch.randn(3, generator=g).to(torch.bfloat16),
+                                  "flags": torch.tensor([True, rank % 2 == 1])}},
+                    "param_groups": [{"lr": 0.1 * (rank + 1), "params": [0]}]},
+            "params": [torch.randn(2, 2, generator=g)]}
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_elastic_merge_follows_section10(first):
+    """Elastic Horovod's reset (adapters/horovod.py ``_merge``) against docs/algorithm.md section
+    10 written out here: over the workers that held state (the even ranks; at the first sync,
+    nobody: every worker takes rank 0's), floating-point entries that differ are averaged in
+    float64 and cast back, equal ones kept bitwise, everything else taken from the first holder."""
+    me, P = hvd.rank(), hvd.size()
+    holders = [] if first else [r for r in range(P) if r % 2 == 0]
+    merged, got_holders, taken = sh._merge(_elastic_state(me), me in holders, "test.elastic.merge")
+    every = [_elastic_state(r) for r in range(P)]
+    root = every[0]
+    assert got_holders == (None if first else holders)
+
+    def mean(get):
+        if first:
+            return get(root)
+        acc = sum(get(every[r]).to(torch.float64) for r in holders) / len(holders)
+        return acc.to(get(root).dtype)
+
+    st, want = merged["opt"]["state"][0], root["opt"]["state"][0]
+    for key in ("exp_avg", "exp_avg_sq", "half"):
+        exp = mean(lambda s: s["opt"]["state"][0][key])
+        assert st[key].dtype == exp.dtype and torch.equal(st[key], exp), key
+    assert torch.equal(merged["params"][0], mean(lambda s: s["params"][0]))
+    for key in ("freshness", "step", "mask_seed", "flags"):
+        assert st[key].dtype == want[key].dtype and torch.equal(st[key], want[key]), key
+    assert merged["opt"]["param_groups"][0]["lr"] == root["opt"]["param_groups"][0]["lr"]
+    assert bool(taken) == (not first and len(holders) > 1)  # mask_seed and flags differ between holders

@@ -21,9 +21,11 @@ __all__ = ["wrap", "DistributedOptimizer"]
 
 
 def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=False, gradient_predivide_factor=1.0,
-         grad_scaler=None):
+         grad_scaler=None, methods=None):
     """The distributed optimizer around ``optimizer`` on the collectives ``coll``: a class built
-    with ``type(name, (optimizer.__class__,), ...)`` sharing the optimizer's ``param_groups``."""
+    with ``type(name, (optimizer.__class__,), ...)`` sharing the optimizer's ``param_groups``.
+    ``methods`` (name -> function of the chosen mixin's method of that name) wraps some of the
+    mixin's methods in the built class (Elastic Horovod's checks, :mod:`slamb_comm.adapters.horovod`)."""
     slamb, onebit = isinstance(optimizer, SLAMB), isinstance(optimizer, OneBitLAMB)
     mixin = DistributedSlamb if slamb else DistributedOneBit if onebit else DistributedTopK
     if grad_scaler is not None and mixin is not DistributedTopK:
@@ -31,6 +33,8 @@ def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=F
                          "exchanges the unscaled gradients by itself (pass no grad_scaler)")
     extra = {"grad_scaler": grad_scaler} if mixin is DistributedTopK else {}
     attrs = dict(mixin.__dict__)
+    for name, make in (methods or {}).items():
+        attrs[name] = make(mixin.__dict__[name])
     if slamb:  # SLAMB's constructor reads it before building its buckets
         attrs["_fused_default"] = optimizer._fused
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
