@@ -42,10 +42,28 @@ from .stats import Traffic, allreduce_wire
 __all__ = ["Plan", "applies", "step"]
 
 
-def _fuse(xp, f):
-    """``xp.fuse(f)`` where the library has it (CuPy: one kernel), else ``f``."""
+_FUSED = {}  # (library, name) -> its fused function: built (and traced) once per process
+
+
+def _fuse(xp, name, f):
+    """``xp.fuse(f, kernel_name=name)`` where the library has it (CuPy: one kernel, compiled at
+    the first call and cached), else ``f``. The name must be a C identifier: CuPy names the
+    kernel after it (a lambda's ``<lambda>`` does not compile)."""
     fuse = getattr(xp, "fuse", None)
-    return f if fuse is None else fuse(f)
+    if fuse is None:
+        return f
+    key = (id(xp), name)
+    if key not in _FUSED:
+        _FUSED[key] = fuse(kernel_name=name)(f)
+    return _FUSED[key]
+
+
+def _momentum(m, g, a, b):
+    return a * m + b * g
+
+
+def _blend(a, s, f):
+    return a + (s - a) * f
 
 
 def _trust(xp, xn2, un2, c_min, c_max):
@@ -220,10 +238,10 @@ def _exchange(slamb, plan, xp, x, g, t):
     payload = xp.empty(K + 1, comm.value_dtype)
     tmp = slamb._buf(xp, "tmp", lay.total, dt)  # noqa: SLF001
     if pos is None:
-        vals = _fuse(xp, lambda m, g, a, b: a * m + b * g)(slamb.m, g, dt.type(b1), dt.type(1.0 - b1))
+        vals = _fuse(xp, "slamb_momentum", _momentum)(slamb.m, g, dt.type(b1), dt.type(1.0 - b1))
     else:
-        vals = _fuse(xp, lambda m, g, a, b: a * m + b * g)(xp.take(slamb.m, pos), xp.take(g, pos),
-                                                            dt.type(b1), dt.type(1.0 - b1))
+        vals = _fuse(xp, "slamb_momentum", _momentum)(xp.take(slamb.m, pos), xp.take(g, pos),
+                                                      dt.type(b1), dt.type(1.0 - b1))
     _arr.cast_into(payload[:K], vals)
     del vals
     # a NaN or Inf, or an element whose square overflows v (|g| >= sqrt of the dtype's max)
@@ -328,9 +346,9 @@ def _rate_pair(xp):
         phi_s = _trust(xp, xs, ws * s2, c_min, c_max)
         phi_a = _trust(xp, xp.maximum(xx - xs, 0.0), xp.maximum(ww - ws, 0.0) * s2, c_min, c_max)
         return lr * s_u * phi_s, lr * s_u * inv_sqrt_p * phi_a
-    return _fuse(xp, pair)
+    return _fuse(xp, "slamb_rate_pair", pair)
 
 
 def _coefficients(xp):
     """The fused function of the (tensor, chunk) table ``rate_A + (rate_S - rate_A) f``."""
-    return _fuse(xp, lambda a, s, f: a + (s - a) * f)
+    return _fuse(xp, "slamb_coefficients", _blend)

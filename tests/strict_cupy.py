@@ -602,6 +602,9 @@ def fuse(*args, **kwargs):
         name = kwargs.get("kernel_name") or getattr(f, "__name__", "fused")
 
         def fused(*a, **kw):
+            if not name.isidentifier():  # CuPy names the kernel after it: "<lambda>" fails to compile
+                raise ValueError(f'Invalid kernel name: "{name}" (cupy.fuse compiles a kernel of that name at '
+                                 'the first call: pass kernel_name=)')
             _fusing[0] += 1
             try:
                 r = f(*a, **kw)

@@ -171,7 +171,7 @@ def test_the_double_counts_launches_copies_and_reads(strict, expr, launches, cop
     h = rng.standard_normal(12).astype(np.float32)
     env = {"cp": cp, "np": np, "h": h, "a": cp.asarray(h), "b": cp.asarray(h[::-1].copy()),
            "c": cp.empty(12, np.float32), "m": cp.asarray(h.reshape(3, 4)),
-           "idx": cp.asarray(np.array([1, 4, 7], np.int64)), "fused": cp.fuse()(lambda x, y: x * y + 1)}
+           "idx": cp.asarray(np.array([1, 4, 7], np.int64)), "fused": cp.fuse(kernel_name="xy1")(lambda x, y: x * y + 1)}
     with strict_cupy.counting() as c:
         exec(expr, env)  # noqa: S102 -- the expressions above
     assert (c.launches, c.h2d, c.syncs) == (launches, copies, reads), (c.by_op, c.by_h2d, c.by_sync)
@@ -453,3 +453,14 @@ def test_defect6_adapter_runs_the_core_on_the_tensors_device_and_torchs_stream(s
     with cuda_scope(torch.device("cpu")):  # CPU tensors: nothing to do
         assert strict.cuda.get_current_stream().ptr == 0
     assert strict_cupy.total_syncs() == 0
+
+
+def test_the_double_refuses_a_fused_lambda_without_a_kernel_name(strict):
+    """Real CuPy names a fused kernel after the function and fails to compile ``<lambda>`` at the
+    first call (seen on an H100 with CuPy 14.2: the core's whole-buffer step failed there while
+    the double ran it); the double fails alike."""
+    cp = strict
+    f = cp.fuse()(lambda x: x + 1)
+    with pytest.raises(ValueError, match="Invalid kernel name"):
+        f(cp.asarray(np.ones(3, np.float32)))
+    assert float(cp.fuse(kernel_name="plus1")(lambda x: x + 1)(cp.asarray(np.ones(3, np.float32)))[0].get()) == 2.0
