@@ -50,10 +50,12 @@ the exchange is float32 or float16 per ``value_dtype``.
 from slamb_comm.codecs import TopK
 
 from .collectives import TorchTransport, init_process_group
+from .demo import DeMo
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
 from .onebit_lamb import OneBitLAMB
+from .periodic import DesLoc, DiLoCo
 from .slamb import SLAMB, SAdamW
 
 __all__ = ["SLAMB", "SAdamW", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
-           "slamb_hook", "TopKHookState", "topk_hook", "init_process_group"]
+           "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc"]

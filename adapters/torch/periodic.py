@@ -1,0 +1,251 @@
+"""DiLoCo and DES-LOC as torch optimizers: any inner optimizer, periodic averaging on torch.distributed.
+
+One line around the optimizer a script already has::
+
+    opt = slamb_comm.adapters.torch.DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    opt = slamb_comm.adapters.torch.DesLoc(torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+and no DDP (each rank trains alone between averages). The rules are the core's,
+:class:`slamb_comm.periodic.DiLoCo` and :class:`slamb_comm.periodic.DesLoc` (docs/algorithm.md
+section 12), run over :class:`~slamb_comm.adapters.torch.collectives.TorchTransport` (or alone
+when no process group is initialised). Parameters are bucketed by device and compute dtype
+(16-bit ones through float32 copies, written back), one core object per bucket.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slamb_comm import arrays as _arr
+from slamb_comm import periodic as core
+from slamb_comm.stats import Traffic
+from slamb_comm.transports import LocalTransport
+
+from .collectives import TorchTransport
+from .tensors import as_compute, cuda_scope, state_dtype
+
+__all__ = ["DiLoCo", "DesLoc"]
+
+
+def _transport(process_group):
+    """The group's transport; alone (P = 1) when no process group is initialised and none is given."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return LocalTransport()
+    return TorchTransport(process_group)
+
+
+class _Bucket:
+    """The parameters of one (device, compute dtype): their names and core object."""
+
+    def __init__(self, device, dtype):
+        self.device, self.dtype = device, dtype
+        self.params, self.names, self.core = [], [], None
+
+    def computes(self, tensors):
+        """``tensors`` as contiguous tensors of the compute dtype (views where they are already)."""
+        return [as_compute(t, self.dtype) for t in tensors]
+
+    def arrays(self, computes):
+        return [_arr.as_array(c) for c in computes]
+
+    @staticmethod
+    def write_back(tensors, computes):
+        """Copy the compute tensors that are copies (16-bit, non-contiguous) back into ``tensors``."""
+        for t, c in zip(tensors, computes):
+            if c.data_ptr() != t.data_ptr() or c.dtype != t.dtype:
+                t.detach().copy_(c)
+
+
+def _buckets(optimizer):
+    out = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            key = (p.device, state_dtype(p.dtype))
+            b = out.setdefault(key, _Bucket(*key))
+            b.params.append(p)
+            b.names.append(f"group{gi}.{pi}")
+    return list(out.values())
+
+
+def _to_torch(state):
+    """A core state dict with NumPy arrays as CPU tensors (``torch.load(weights_only=True)`` takes them)."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+
+
+def _to_numpy(state):
+    return {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """A torch optimizer that shares the wrapped one's ``param_groups`` and ``state`` (so LR
+    schedulers and ``zero_grad`` act on it) and runs the periodic work after its ``step``."""
+
+    method = None
+
+    def _wrap(self, optimizer, process_group, make_core):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{self.method} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.state = optimizer.state
+        transport = _transport(process_group)
+        self._buckets = _buckets(optimizer)
+        with torch.no_grad():
+            for b in self._buckets:
+                comp = b.computes(b.params)
+                with cuda_scope(b.device):
+                    b.core = make_core(transport, b.arrays(comp), b.names)
+                b.write_back(b.params, comp)  # rank 0's parameters, from the construction's broadcast
+
+    @property
+    def cores(self):
+        """The core objects (:mod:`slamb_comm.periodic`), one per (device, dtype) bucket."""
+        return [b.core for b in self._buckets]
+
+    def step_traffic(self):
+        """Bytes of the step just finished, summed over buckets (a :class:`slamb_comm.Traffic`;
+        zero on the steps that average nothing), and start counting anew."""
+        total = Traffic()
+        for c in self.cores:
+            total = total + c.stats.new_step()
+        return total
+
+    def state_dict(self):
+        """The wrapped optimizer's ``state_dict()`` plus a ``'periodic'`` entry: per bucket, the
+        core's state (step count; for DiLoCo the anchor and outer momentum, as CPU tensors)."""
+        sd = self.optimizer.state_dict()
+        sd["periodic"] = {"method": self.method, "buckets": [_to_torch(c.state_dict()) for c in self.cores]}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output: the wrapped optimizer's part, then the cores' exactly."""
+        sd = dict(state_dict)
+        periodic = sd.pop("periodic", None)
+        if periodic is None or periodic.get("method") != self.method:
+            found = "no 'periodic' entry" if periodic is None else f"one saved by {periodic.get('method')}"
+            raise ValueError(f"this state dict has {found}: load one saved by {self.method}.state_dict(), or load "
+                             f"a plain optimizer's into {self.method}.optimizer (the outer state then starts anew)")
+        if len(periodic["buckets"]) != len(self._buckets):
+            raise ValueError(f"the state dict has {len(periodic['buckets'])} parameter buckets, this "
+                             f"{self.method} has {len(self._buckets)}")
+        self.optimizer.load_state_dict(sd)
+        self.state, self.param_groups = self.optimizer.state, self.optimizer.param_groups  # torch replaced them
+        for c, s in zip(self.cores, periodic["buckets"]):
+            c.load_state_dict(_to_numpy(s))
+
+    def zero_grad(self, set_to_none=True):
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class DiLoCo(_Wrapper):
+    """DiLoCo (Douillard et al. 2023) around any torch optimizer (docs/algorithm.md section 12).
+
+    Every rank steps its own ``optimizer`` (the inner one, e.g. AdamW) with no communication.
+    Every ``sync_interval`` steps, the pseudo-gradient ``anchor - x`` is averaged over the
+    group (one allreduce), an outer Nesterov SGD step moves the anchor, and the parameters
+    become the anchor on every rank. The inner optimizer's state stays local.
+
+    Construction is collective: every rank's parameters are set to rank 0's. Do not wrap the
+    model in DDP (it would average gradients every step).
+
+    Args:
+        optimizer: the inner optimizer (any ``torch.optim.Optimizer``).
+        process_group: the group to average in (default: the default group; alone when
+            torch.distributed is not initialised).
+        sync_interval: H, inner steps between outer steps (default 50).
+        outer_lr: the outer learning rate (default 0.7). outer_momentum: Nesterov momentum
+            in [0, 1) (default 0.9).
+        value_dtype: the pseudo-gradient's dtype on the wire: 'float32' (default), 'float16'
+            (half the bytes), or None (the parameters' compute dtype, float64 for float64).
+
+    ``step(closure)`` returns the inner step's loss; :meth:`step_traffic` the bytes;
+    ``state_dict()`` holds the inner state plus the anchor and outer momentum.
+    """
+
+    method = "DiLoCo"
+
+    def __init__(self, optimizer, process_group=None, sync_interval=core.DEFAULT_INTERVAL, outer_lr=0.7,
+                 outer_momentum=0.9, value_dtype="float32"):
+        self._wrap(optimizer, process_group, lambda t, arrays, names: core.DiLoCo(
+            t, arrays, sync_interval=sync_interval, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            value_dtype=value_dtype, names=names))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The inner optimizer's step, then (every ``sync_interval`` steps, on every rank) the outer step."""
+        loss = self.optimizer.step(closure)
+        for b in self._buckets:
+            if not b.core.due():
+                b.core.step(None)
+                continue
+            comp = b.computes(b.params)
+            with cuda_scope(b.device):
+                b.core.step(b.arrays(comp))
+            b.write_back(b.params, comp)
+        return loss
+
+
+class DesLoc(_Wrapper):
+    """DES-LOC (Iacob et al., ICLR 2026) around an Adam-family torch optimizer (docs/algorithm.md section 12).
+
+    Every rank steps its own ``optimizer`` with no communication; the parameters are averaged
+    over the group every ``sync_interval`` steps, the first moment (``exp_avg``) every
+    ``moment1_interval`` steps and the second (``exp_avg_sq``) every ``moment2_interval``
+    steps, each on its own period. Construction is collective (rank 0's parameters everywhere).
+    A parameter that has no optimizer state yet on a rank (no gradient so far) sends zeros for
+    its moments there and keeps none.
+
+    Args:
+        optimizer: an Adam-family optimizer whose state has ``exp_avg`` and ``exp_avg_sq``
+            (Adam, AdamW, NAdam, RAdam); TypeError otherwise (e.g. SGD: use :class:`DiLoCo`).
+        process_group: as :class:`DiLoCo`.
+        sync_interval: Kx (default 50). moment1_interval: Ku (default ``3 * sync_interval``).
+        moment2_interval: Kv (default ``6 * sync_interval``).
+    """
+
+    method = "DesLoc"
+
+    def __init__(self, optimizer, process_group=None, sync_interval=core.DEFAULT_INTERVAL, moment1_interval=None,
+                 moment2_interval=None):
+        if isinstance(optimizer, torch.optim.Optimizer) and "betas" not in optimizer.defaults:
+            raise TypeError(f"DesLoc averages Adam's moments (state 'exp_avg', 'exp_avg_sq'); "
+                            f"{type(optimizer).__name__} has none: wrap torch.optim.Adam/AdamW, or use DiLoCo, "
+                            "which works with any optimizer")
+        self._checked = False
+        self._wrap(optimizer, process_group, lambda t, arrays, names: core.DesLoc(
+            t, arrays, sync_interval=sync_interval, moment1_interval=moment1_interval,
+            moment2_interval=moment2_interval, names=names))
+
+    def _moments(self, b, key):
+        """Per parameter: the state tensor ``key``, or zeros where the parameter has no state yet."""
+        out = []
+        for p in b.params:
+            st = self.optimizer.state.get(p) or {}
+            if st and key not in st:
+                raise TypeError(f"DesLoc averages the optimizer state {key!r}, which "
+                                f"{type(self.optimizer).__name__} does not keep (its state has {sorted(st)}): "
+                                "wrap torch.optim.Adam/AdamW, or use DiLoCo")
+            out.append(st[key] if st else torch.zeros(p.shape, dtype=b.dtype, device=p.device))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The inner optimizer's step, then the averages that are due, on every rank."""
+        loss = self.optimizer.step(closure)
+        if not self._checked:  # after the first inner step: the state must be Adam's (same on every rank)
+            for b in self._buckets:
+                self._moments(b, "exp_avg"), self._moments(b, "exp_avg_sq")
+            self._checked = True
+        for b in self._buckets:
+            due = b.core.due()
+            parts = {"x": b.params} if "x" in due else {}
+            for name, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+                if name in due:
+                    parts[name] = self._moments(b, key)
+            comp = {n: b.computes(ts) for n, ts in parts.items()}
+            with cuda_scope(b.device):
+                b.core.step(**{n: b.arrays(c) for n, c in comp.items()})
+            for n, ts in parts.items():
+                b.write_back(ts, comp[n])
+        return loss

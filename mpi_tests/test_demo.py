@@ -1,0 +1,200 @@
+"""DeMo over MPI (the core, MPITransport) and over a gloo group (the torch adapter), against the
+dense float64 reference of docs/algorithm.md section 13 written out below, at every step:
+
+    bash scripts/mpirun.sh N 300 python3 -m pytest -q --with-mpi mpi_tests/test_demo.py   (N = 1, 2, 4)
+
+Every rank starts from the same parameters and gets gradients of its own; the reference keeps
+every rank's momentum, so it knows what each rank sends. After each step the replicas must be
+bitwise equal (every rank applies the sign of the same decoded mean).
+"""
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import slamb_comm as sc
+from slamb_comm.demo import DeMo
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = [(20, 13), (7,), (3, 4, 5), (16, 16), (), (9, 1)]
+S, K, LR, BETA, WD = 8, 5, 0.01, 0.9, 0.05
+
+
+# ----------------------------------------------------------------------------- the dense float64 reference
+def dct_table(s):
+    """T[u, n] = a_u cos(pi (2 n + 1) u / (2 s)), a_0 = sqrt(1/s), a_u = sqrt(2/s) (the DCT-II, term by term)."""
+    t = np.empty((s, s))
+    for u in range(s):
+        for n in range(s):
+            t[u, n] = math.sqrt((1.0 if u == 0 else 2.0) / s) * math.cos(math.pi * (2 * n + 1) * u / (2 * s))
+    return t
+
+
+def extract(m, s, k, vdtype):
+    """q = IDCT(top-k of DCT(chunk)) for every s x s block (1-D: run of s) of the zero-padded
+    tensor (ndim >= 2 viewed as (shape[0], rest)), values rounded to ``vdtype``, unpadded."""
+    t = dct_table(s)
+    one_d = m.ndim <= 1
+    a = m.reshape(1, -1) if one_d else m.reshape(m.shape[0], -1)
+    r, c = a.shape
+    rows = 1 if one_d else -(-r // s) * s
+    pad = np.zeros((rows, -(-c // s) * s))
+    pad[:r, :c] = a
+    out = np.zeros_like(pad)
+    for i in range(0, rows, 1 if one_d else s):
+        for j in range(0, pad.shape[1], s):
+            if one_d:
+                coef = np.einsum("ua,a->u", t, pad[0, j : j + s])
+            else:
+                coef = np.einsum("ua,vb,ab->uv", t, t, pad[i : i + s, j : j + s]).ravel()
+            sel = np.argsort(-np.abs(coef), kind="stable")[: min(k, coef.size)]
+            sparse = np.zeros_like(coef)
+            sparse[sel] = coef[sel].astype(vdtype).astype(np.float64)
+            if one_d:
+                out[0, j : j + s] = np.einsum("ua,u->a", t, sparse)
+            else:
+                out[i : i + s, j : j + s] = np.einsum("ua,vb,uv->ab", t, t, sparse.reshape(s, s))
+    return out[:r, :c].reshape(m.shape)
+
+
+class RefDeMo:
+    """Every rank r: m_r = beta m_r + g_r; q_r = extract(m_r); m_r -= q_r. Then, the same on every
+    rank, Q = (1/P) sum_r q_r and x = (1 - lr wd) x - lr sign(Q)."""
+
+    def __init__(self, x, P, lr, wd, vdtype, beta=BETA):
+        self.x = [np.array(a, np.float64) for a in x]
+        self.m = [[np.zeros_like(a) for a in self.x] for _ in range(P)]
+        self.lr, self.wd, self.vdtype, self.beta = lr, wd, vdtype, beta
+
+    def step(self, grads):
+        qs = []
+        for mr, gr in zip(self.m, grads):
+            qr = []
+            for i, g in enumerate(gr):
+                mr[i] = self.beta * mr[i] + np.asarray(g, np.float64)
+                qr.append(extract(mr[i], S, K, self.vdtype))
+                mr[i] = mr[i] - qr[-1]
+            qs.append(qr)
+        for i in range(len(self.x)):
+            Q = sum(qr[i] for qr in qs) / len(qs)
+            self.x[i] = (1.0 - self.lr * self.wd) * self.x[i] - self.lr * np.sign(Q)
+
+
+def start_params(dtype=np.float64):
+    rng = np.random.default_rng(2024)  # the same on every rank
+    return [np.asarray(rng.standard_normal(s), dtype) for s in SHAPES]
+
+
+def rank_grads(r, t, x):
+    """Rank r's gradient at step t: depends on the parameters and on (r, t)."""
+    rng = np.random.default_rng([17, r, t])
+    return [np.asarray(0.3 * a + rng.standard_normal(a.shape)) for a in x]
+
+
+def same_everywhere(flat):
+    everyone = MPI.COMM_WORLD.allgather(flat)
+    return all(np.array_equal(e, everyone[0]) for e in everyone)
+
+
+# ----------------------------------------------------------------------------- the core over MPI
+@pytest.mark.parametrize("vd", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_core_rule_matches_the_reference_every_step(vd, fused):
+    world = MPI.COMM_WORLD
+    P, me = world.size, world.rank
+    x = start_params()
+    opt = DeMo(sc.MPITransport(), x, lr=LR, beta=BETA, weight_decay=WD, chunk=S, topk=K, value_dtype=vd)
+    ref = RefDeMo(x, P, LR, WD, vd)
+    flat = np.concatenate([a.ravel() for a in x])
+    mine = opt.layout.views(flat) if fused else x
+    for t in range(1, 11):
+        g = [rank_grads(r, t, ref.x) for r in range(P)]
+        assert opt.step(flat if fused else x, np.concatenate([a.ravel() for a in g[me]]) if fused else g[me])
+        ref.step(g)
+        for a, want in zip(mine, ref.x):
+            np.testing.assert_allclose(a, want, rtol=0, atol=1e-12, err_msg=f"step {t}")
+        np.testing.assert_allclose(opt.m[:-1], np.concatenate([a.ravel() for a in ref.m[me]]), rtol=0, atol=1e-12)
+        assert same_everywhere(np.concatenate([a.ravel() for a in mine])), f"step {t}: replicas differ"
+        tr = opt.stats.last
+        assert tr.payload_bytes == opt.codec.nbytes and tr.wire_bytes == (P - 1) * opt.codec.nbytes
+
+
+def test_core_non_finite_on_one_rank_skips_everywhere():
+    world = MPI.COMM_WORLD
+    P, me = world.size, world.rank
+    x = start_params()
+    opt = DeMo(sc.MPITransport(), x, lr=LR, chunk=S, topk=K)
+    opt.step(x, rank_grads(me, 1, x))
+    before, m = [a.copy() for a in x], opt.m.copy()
+    g = rank_grads(me, 2, x)
+    if me == P - 1:
+        g[3][2, 2] = np.inf
+    assert opt.step(x, g) is False
+    assert opt.skipped_steps == 1 and opt.t == 1 and np.array_equal(opt.m, m)
+    assert all(np.array_equal(a, b) for a, b in zip(x, before))
+    assert opt.step(x, rank_grads(me, 3, x)) and opt.t == 2 and same_everywhere(np.concatenate([a.ravel() for a in x]))
+
+
+def test_core_bad_input_on_one_rank_raises_everywhere():
+    world = MPI.COMM_WORLD
+    P, me = world.size, world.rank
+    x = start_params()
+    opt = DeMo(sc.MPITransport(), x, chunk=S, topk=K)
+    g = rank_grads(me, 1, x)
+    if me == P - 1:
+        g = g[:-1]
+    with pytest.raises(sc.LayoutError if me == P - 1 else sc.PeerError):
+        opt.step(x, g)
+    assert opt.t == 0 and (opt.m is None or not opt.m.any())  # nothing changed (m may exist, as zeros)
+    other_k = K + (1 if me == P - 1 and P > 1 else 0)
+    if P > 1:
+        with pytest.raises(sc.LayoutMismatchError):
+            DeMo(sc.MPITransport(), x, chunk=S, topk=other_k)
+
+
+# ----------------------------------------------------------------------------- the torch adapter over gloo
+@pytest.mark.parametrize("vd", ["float32", "float16"])
+def test_torch_demo_matches_the_reference_every_step(gloo, vd):
+    torch = pytest.importorskip("torch")
+    from slamb_comm.adapters.torch import DeMo as TorchDeMo
+
+    world = MPI.COMM_WORLD
+    P, me = world.size, world.rank
+    x = start_params()
+    ps = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in x]
+    opt = TorchDeMo([{"params": ps[:3], "lr": 0.02, "weight_decay": 0.1}, {"params": ps[3:]}], lr=LR, momentum=BETA,
+                    chunk=S, topk=K, value_dtype=vd)
+    refs = [RefDeMo(x[:3], P, 0.02, 0.1, vd), RefDeMo(x[3:], P, LR, 0.0, vd)]
+    for t in range(1, 9):
+        g = [rank_grads(r, t, refs[0].x + refs[1].x) for r in range(P)]
+        for p, gi in zip(ps, g[me]):
+            p.grad = torch.from_numpy(gi)
+        opt.step()
+        refs[0].step([gr[:3] for gr in g])
+        refs[1].step([gr[3:] for gr in g])
+        for p, want in zip(ps, refs[0].x + refs[1].x):
+            np.testing.assert_allclose(p.detach().numpy(), want, rtol=0, atol=1e-12, err_msg=f"step {t}")
+        assert same_everywhere(torch.cat([p.detach().reshape(-1) for p in ps]).numpy()), f"step {t}: replicas differ"
+        tr = opt.step_traffic()
+        assert tr.calls == 1 and tr.wire_bytes == (P - 1) * tr.payload_bytes
+
+
+def test_torch_float32_model_replicas_stay_equal(gloo):
+    torch = pytest.importorskip("torch")
+    from slamb_comm.adapters.torch import DeMo as TorchDeMo
+
+    world = MPI.COMM_WORLD
+    torch.manual_seed(0)  # the same model on every rank
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    opt = TorchDeMo(net.parameters(), lr=1e-2, chunk=16, topk=8, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(100 + world.rank)  # each rank its own data
+    for t in range(6):
+        data = torch.randn(8, 24, generator=gen), torch.randn(8, 3, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(data[0]), data[1]).backward()
+        opt.step()
+        assert same_everywhere(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()), f"step {t}"
+    assert opt._core.t == 6
