@@ -342,9 +342,10 @@ def _elastic_sync(opt, params=True):
     opt.load_state_dict(merged["opt"])
     opt._elastic_synced = True
     if holders is not None:
-        _log.warning("slamb_comm: Elastic Horovod reset: %s from %d to %d workers; the state of the %d that held one "
-                     "averaged%s (docs/algorithm.md section 10)%s", type(opt).__name__, before, coll.size,
-                     len(holders), ", with the parameters" if params else "",
+        _log.warning("slamb_comm: Elastic Horovod reset: %s %s %d workers; the state of the %d that held one "
+                     "averaged%s (docs/algorithm.md section 10)%s", type(opt).__name__,
+                     f"from {before} to" if holder else "joined by this worker, now", coll.size, len(holders),
+                     ", with the parameters" if params else "",
                      f"; taken from worker {holders[0]}, as it differed: {taken[:5]}" if taken else "")
 
 
