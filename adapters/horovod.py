@@ -27,6 +27,8 @@ What this module holds:
   alone it is a correct single-process optimizer (ratio 1: LAMB), wrapped by
   :func:`DistributedOptimizer` it is SLAMB.
 * :class:`SAdamW` -- SLAMB's exchange under AdamW's update, likewise re-exported.
+* :class:`LAMB` -- dense LAMB, the baseline: ``DistributedOptimizer(LAMB(...))`` is Horovod's own
+  dense gradient allreduce under LAMB's step.
 * :class:`OneBitLAMB` -- 1-bit LAMB, likewise re-exported from :mod:`slamb_comm.adapters.torch`.
 * :class:`TopK` -- a ``compression=`` value selecting the error-feedback top-k gradient
   exchange (docs/algorithm.md section 2) for any optimizer.
@@ -68,12 +70,12 @@ import horovod.torch as hvd
 
 from slamb_comm.codecs import TopK
 from slamb_comm.transports import check_alltoall, check_buffer
-from slamb_comm.adapters.torch import SLAMB, OneBitLAMB, SAdamW
+from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB, SAdamW
 from slamb_comm.adapters.torch.distributed import wrap
 from slamb_comm.adapters.torch.params import check_named_parameters
 from slamb_comm.adapters.torch.tensors import torch_view
 
-__all__ = ["HorovodTransport", "SLAMB", "SAdamW", "OneBitLAMB", "TopK", "DistributedOptimizer"]
+__all__ = ["HorovodTransport", "SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "DistributedOptimizer"]
 
 _log = logging.getLogger("slamb_comm")
 
@@ -499,8 +501,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     * ``compression`` is a :class:`TopK`: any optimizer; gradients go through the
       error-feedback top-k exchange of docs/algorithm.md section 2, and the optimizer steps on
       the mean (``op=hvd.Sum``: the sum).
-    * otherwise: exactly ``hvd.DistributedOptimizer(...)`` (what is returned is Horovod's
-      own object), except that bfloat16 gradients travel as float32 when the model has any.
+    * otherwise (``LAMB``, the dense baseline, included): exactly ``hvd.DistributedOptimizer(...)``
+      (what is returned is Horovod's own object), except that bfloat16 gradients travel as float32 when the model has any.
 
     The Horovod contract holds in the first two cases as well: unnamed, duplicate or
     non-tuple ``named_parameters`` raise ``ValueError``; every rank submits every tensor
@@ -544,7 +546,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     if num_groups != 0 and groups is None:
         groups = num_groups
     onebit = isinstance(optimizer, OneBitLAMB)
-    slamb = isinstance(optimizer, SLAMB) or onebit
+    slamb = (isinstance(optimizer, SLAMB) and not isinstance(optimizer, LAMB)) or onebit  # LAMB: dense, below
     topk = isinstance(compression, TopK)
     if not slamb and not topk:
         if grad_scaler is not None:

@@ -209,13 +209,15 @@ def build_optimizer(args, model):
                                         named_parameters=named,
                                         compression=slamb_comm.TopK(args.ratio, value_dtype=args.value_dtype))
         return opt, opt.step_traffic
-    if args.optimizer == "lamb":  # dense LAMB: SLAMB alone (ratio 1) is LAMB; Horovod averages the gradients
-        base = shvd.SLAMB(params, lr=args.lr, weight_decay=args.weight_decay, ratio=1.0, **eps)
+    if args.optimizer == "lamb":  # dense LAMB, the baseline: Horovod's own allreduce of the gradients, then LAMB
+        opt = shvd.DistributedOptimizer(shvd.LAMB(params, lr=args.lr, weight_decay=args.weight_decay, **eps),
+                                        named_parameters=named)
     elif args.optimizer == "adam":
         base = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **eps)
     else:
         base = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
-    opt = hvd.DistributedOptimizer(base, named_parameters=named)
+    if args.optimizer != "lamb":
+        opt = hvd.DistributedOptimizer(base, named_parameters=named)
     dense = sum(p.numel() * 4 for p in params)
     wire = slamb_comm.stats.allreduce_wire(dense, hvd.size())
     return opt, lambda: slamb_comm.Traffic(1, dense, wire, dense, wire)

@@ -1170,3 +1170,49 @@ def test_elastic_merge_follows_section10(first):
         assert st[key].dtype == want[key].dtype and torch.equal(st[key], want[key]), key
     assert merged["opt"]["param_groups"][0]["lr"] == root["opt"]["param_groups"][0]["lr"]
     assert bool(taken) == (not first and len(holders) > 1)  # mask_seed and flags differ between holders
+
+
+# ----------------------------------------------------------------------------- the dense reference of a step
+def test_step_traffic_counts_one_dense_allreduce_per_step_also_on_sync_steps():
+    """docs/algorithm.md section 4: a step's dense reference is one allreduce of every gradient
+    (4N bytes of float32), once per step; SLAMB's sync steps (t = 1, 3, 5 at H = 2) send the
+    masked momentum and the parameters, and still count one dense allreduce."""
+    model = make_model(19)
+    opt = slamb_dist(model, lr=0.02, ratio=0.25, sync_interval=2)
+    N, P = sum(p.numel() for p in model.parameters()), hvd.size()
+    seen = []
+    train(model, opt, 4, after_step=lambda t: seen.append(opt.step_traffic()))
+    for t, tr in enumerate(seen, start=1):
+        assert tr.dense_payload_bytes == 4 * N, (t, tr)
+        assert tr.dense_wire_bytes == pytest.approx(slamb_comm.stats.allreduce_wire(4 * N, P))
+    if P > 1:  # a sync step sends the parameters (N + 1 float32 values) on top of the masked momentum
+        assert seen[0].payload_bytes - seen[1].payload_bytes == 4 * (N + 1)
+        assert seen[2].payload_bytes == seen[0].payload_bytes
+
+
+def test_lamb_is_the_dense_baseline():
+    """DistributedOptimizer(LAMB) is Horovod's own dense gradient allreduce under LAMB's step: every
+    rank ends with the parameters of LAMB alone stepped on the mean of the ranks' gradients
+    (computed here from every rank's data), equal on every rank; SLAMB(ratio=1) is not this."""
+    model, ref = make_model(20), make_model(20)
+    opt = sh.DistributedOptimizer(sh.LAMB(model.parameters(), lr=0.02, weight_decay=0.01),
+                                  named_parameters=model.named_parameters())
+    assert type(opt).__module__.startswith("horovod")
+    alone = sh.LAMB(ref.parameters(), lr=0.02, weight_decay=0.01)
+    P = hvd.size()
+    for t in range(1, 4):
+        opt.zero_grad()
+        loss_of(model, hvd.rank(), t).backward()
+        opt.step()
+        alone.zero_grad()
+        grads = None
+        for r in range(P):  # the mean of every rank's gradient, in rank order
+            ref.zero_grad()
+            loss_of(ref, r, t).backward()
+            g = [p.grad.double().clone() for p in ref.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = (g / P).float()
+        alone.step()
+    assert np.allclose(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-6)
+    assert same_on_all_ranks(model, "lamb.dense")

@@ -4,13 +4,19 @@ Payload = the bytes a rank hands to the collective. Wire bytes estimate what cro
 each rank's link: ``2 (P - 1) / P * payload`` for a ring allreduce, ``(P - 1) * payload``
 for an allgather and ``(P - 1) / P * payload`` for an all-to-all. Every record also
 carries what the dense exchange of the same arrays (an allreduce of the full buffer in its
-own dtype) would have moved, so ``ratio`` reads directly as "fraction of dense".
+own dtype) would have moved, so ``ratio`` reads directly as "fraction of dense" for one
+exchange.
+
+A *step* is measured against one definition, everywhere (:func:`per_step`): the dense
+data-parallel step, one ring allreduce of every gradient, once per optimizer step -- also on
+steps where a method sends twice (SLAMB's sync steps) or nothing (DiLoCo between averages).
+Every optimizer's ``step_traffic()`` reports that.
 """
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire"]
+__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire", "per_step"]
 
 
 def allreduce_wire(payload, size):
@@ -26,6 +32,13 @@ def allgather_wire(payload, size):
 def alltoall_wire(payload, size):
     """Bytes an all-to-all puts on each rank's link (``payload`` counts the block a rank keeps)."""
     return (size - 1) / size * payload if size > 1 else 0.0
+
+
+def per_step(traffic, dense_bytes, size):
+    """``traffic`` (what one optimizer step sent) against the dense reference of a step: one
+    ring allreduce of ``dense_bytes`` (every gradient) on ``size`` ranks, counted once per step
+    whatever the method sent (docs/algorithm.md section 4)."""
+    return replace(traffic, dense_payload_bytes=int(dense_bytes), dense_wire_bytes=allreduce_wire(dense_bytes, size))
 
 
 @dataclass

@@ -264,6 +264,7 @@ def test_torch_diloco_matches_reference():
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-12)
         tr = opt.step_traffic()
         assert tr.payload_bytes == ((N + 1) * 8 if t % 3 == 0 else 0)
+        assert tr.dense_payload_bytes == N * 8  # the dense reference of a step, also between averages
 
 
 def test_outer_step_is_torch_sgd_nesterov_on_the_anchor():
@@ -289,7 +290,9 @@ def test_torch_diloco_16bit_and_float16_payload():
     for t in range(1, 5):
         set_grads(ps, t)
         opt.step()
-        assert opt.step_traffic().payload_bytes == ((N + 1) * 2 if t % 2 == 0 else 0)
+        tr = opt.step_traffic()
+        assert tr.payload_bytes == ((N + 1) * 2 if t % 2 == 0 else 0)
+        assert tr.dense_payload_bytes == N * 4  # float32: the compute dtype of bfloat16 parameters
     anchor = opt.cores[0].anchor
     assert anchor.dtype == np.float32 and all(p.dtype == torch.bfloat16 for p in ps)
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in ps]), torch.from_numpy(anchor).bfloat16())

@@ -55,7 +55,7 @@ from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
 from .onebit_lamb import OneBitLAMB
 from .periodic import DesLoc, DiLoCo
-from .slamb import SLAMB, SAdamW
+from .slamb import LAMB, SLAMB, SAdamW
 
-__all__ = ["SLAMB", "SAdamW", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
+__all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc"]

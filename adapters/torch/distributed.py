@@ -15,7 +15,7 @@ from .distributed_slamb import DistributedSlamb
 from .distributed_topk import DistributedTopK
 from .onebit_lamb import OneBitLAMB
 from .params import check_named_parameters
-from .slamb import SLAMB
+from .slamb import LAMB, SLAMB
 
 __all__ = ["wrap", "DistributedOptimizer"]
 
@@ -85,6 +85,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     """
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
+    if isinstance(optimizer, LAMB):
+        raise ValueError("LAMB is the dense baseline: it steps on gradients averaged densely. Under torch.distributed "
+                         "wrap the model in DistributedDataParallel (no comm hook) and step LAMB alone; for the sparse "
+                         "momentum exchange use DistributedOptimizer(SLAMB(...))")
     slamb = isinstance(optimizer, (SLAMB, OneBitLAMB))
     topk = isinstance(compression, TopK)
     if slamb and compression is not None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from slamb_comm import arrays as _arr
 from slamb_comm import periodic as core
-from slamb_comm.stats import Traffic
+from slamb_comm.stats import Traffic, per_step
 from slamb_comm.transports import LocalTransport
 
 from .collectives import TorchTransport
@@ -104,11 +104,14 @@ class _Wrapper(torch.optim.Optimizer):
 
     def step_traffic(self):
         """Bytes of the step just finished, summed over buckets (a :class:`slamb_comm.Traffic`;
-        zero on the steps that average nothing), and start counting anew."""
-        total = Traffic()
+        no payload on the steps that average nothing, and the dense reference of a step on
+        every step, docs/algorithm.md section 4), and start counting anew."""
+        total, dense, size = Traffic(), 0, 1
         for c in self.cores:
             total = total + c.stats.new_step()
-        return total
+            dense += c.layout.total * c.layout.dtype.itemsize
+            size = c.comm.size
+        return per_step(total, dense, size)  # a dense step's allreduce, also on steps that average nothing
 
     def state_dict(self):
         """The wrapped optimizer's ``state_dict()`` plus a ``'periodic'`` entry: per bucket, the

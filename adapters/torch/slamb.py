@@ -15,7 +15,7 @@ from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError
 from slamb_comm.masks import check_block
 from slamb_comm.slamb import Slamb
-from slamb_comm.stats import Traffic
+from slamb_comm.stats import Traffic, per_step
 from slamb_comm.transports import LocalTransport
 
 from .flat import Flat, wants_flat
@@ -62,8 +62,10 @@ class SLAMB(torch.optim.Optimizer):
         betas: ``(beta1, beta2)`` of the moments (bias-corrected).
         eps: added to ``sqrt(vhat)``.
         weight_decay: decoupled weight decay inside the LAMB direction.
-        ratio: k, the fraction of each large tensor's momentum exchanged per step. It may
-            change between steps (a schedule: set ``param_group["ratio"]`` on every rank
+        ratio: k, the fraction of each large tensor's momentum exchanged per step. Alone,
+            any ratio is LAMB. Distributed, ratio 1 averages all of m every step but keeps v per
+            rank and sends ``(N + 1)`` values plus the periodic sync: it is not dense LAMB (for
+            that baseline use :class:`LAMB`). It may change between steps (a schedule: set ``param_group["ratio"]`` on every rank
             alike); the change applies from the next step, see :meth:`slamb_comm.slamb.Slamb.set_ratio`.
         beta3: freshness decay; stale element i moves with
             ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
@@ -481,11 +483,15 @@ class SLAMB(torch.optim.Optimizer):
     def step_traffic(self):
         """Bytes of the step just finished (summed over buckets), and start counting anew:
         a :class:`slamb_comm.Traffic` whose ``payload_bytes`` / ``dense_payload_bytes`` read as
-        "this step moved x of the y bytes a dense allreduce would have"."""
-        total = Traffic()
+        "this step moved x of the y bytes a dense allreduce of the gradients would have" -- one
+        dense allreduce per step, also on a periodic sync step, which sends the masked momentum
+        and the parameters (docs/algorithm.md section 4)."""
+        total, dense, size = Traffic(), 0, 1
         for c in self.communicators:
             total = total + c.stats.new_step()
-        return total
+            dense += c.layout.total * c.layout.dtype.itemsize
+            size = c.size
+        return per_step(total, dense, size)
 
 
 class SAdamW(SLAMB):
@@ -509,3 +515,27 @@ class SAdamW(SLAMB):
                 raise ConfigError(f"SAdamW has no trust ratio: {k} is fixed at 1 (use SLAMB for LAMB's update)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, c_min=1.0, c_max=1.0,
                          **kwargs)
+
+
+class LAMB(SLAMB):
+    """Dense LAMB: the baseline SLAMB is measured against, through the same API.
+
+    Alone it is :class:`SLAMB` at ratio 1 (LAMB, docs/algorithm.md section 1 with P = 1).
+    Distributed it averages the *gradients* densely, as data-parallel LAMB does, and steps on
+    the mean, so m and v are equal on every rank:
+
+    * Horovod: ``slamb_comm.adapters.horovod.DistributedOptimizer(LAMB(...))`` returns Horovod's
+      own ``hvd.DistributedOptimizer`` (one allreduce of every gradient per step);
+    * torch.distributed: wrap the model in ``DistributedDataParallel`` (no comm hook) and step
+      ``LAMB`` alone; :func:`slamb_comm.adapters.torch.DistributedOptimizer` refuses it, naming this.
+
+    ``DistributedOptimizer(SLAMB(ratio=1.0))`` is not this: it keeps v per rank.
+
+    Args: as :class:`SLAMB` without the exchange's options (``ratio``, ``beta3``,
+    ``sync_interval``, ``mask``, ``block``, ``value_dtype``, ``dense_threshold``, ``seed``).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, c_min=0.01, c_max=1000.0,
+                 on_nonfinite="skip", fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, ratio=1.0,
+                         c_min=c_min, c_max=c_max, on_nonfinite=on_nonfinite, fused=fused)
