@@ -1,0 +1,312 @@
+# python3 benchmarks/peers.py --out benchmarks/results/peers      (each run: torchrun --standalone --nproc_per_node 4 ...)
+"""SLAMB against what users pick instead: dense AdamW and LAMB, SAdamW, DiLoCo, DES-LOC, DeMo (issue 27).
+
+One harness on torchrun/gloo, the task of ``examples/train_lm.py`` (the byte-level transformer
+on the standard library's source, 470,784 parameters, 16 sequences of 64 bytes per rank, the
+same seeds, per-rank batches and evaluation batches), ``--steps`` steps (600) at ``--ranks``
+ranks (4), every method through slamb_comm's API:
+
+* ``adamw``: DDP + ``torch.optim.AdamW`` (the users' baseline); ``lamb``: DDP + ``LAMB``;
+* ``slamb``: ``DistributedOptimizer(SLAMB(ratio=0.1, float16, beta3=0.9, H=100))``, the main job's
+  settings; ``sadamw``: the same exchange under AdamW's update; ``sadamw-k02``: at k = 0.02
+  (under 2% of the dense payload);
+* ``diloco``: ``DiLoCo(AdamW, H=50)``, outer Nesterov 0.7 / 0.9; ``desloc``: ``DesLoc(AdamW,
+  H=50)`` (m every 150, v every 300 steps);
+* ``demo``: ``DeMo`` (top-32 of 64 x 64 DCT blocks, all-gathered).
+
+Bytes are every optimizer's ``step_traffic()`` (payload handed to the collectives, per rank),
+against the dense reference of a step (one float32 allreduce of every gradient,
+docs/algorithm.md section 4); the dense methods' payload is that reference itself. Wire bytes
+at P = 4, 64 and 1,024 come from the collectives' cost model: an allreduce's wire per rank is
+``2 (P-1)/P`` of its payload, an all-gather's ``(P-1)`` times it (DeMo's grows with P).
+
+The learning rate of each method is swept over its grid at seed 0; the best (lowest final
+validation loss) then runs at the other seeds. Writes ``<out>/runs.csv`` (every evaluation of
+every run), ``<out>/peers.md`` (the table) and ``<out>/peers.png`` (validation loss against
+cumulative payload, mean over seeds). Runs already in ``<out>/runs/`` are reused. ``--parallel``
+runs that many jobs at once (on a machine with cores for them).
+"""
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from csvout import write_rows  # noqa: E402
+
+ADAMW_GRID = (0.002, 0.004, 0.008)
+LAMB_GRID = (0.005, 0.01, 0.02)
+DEMO_GRID = (0.001, 0.002, 0.004)
+METHODS = {  # name: (lr grid, collective)
+    "adamw": (ADAMW_GRID, "allreduce"),
+    "lamb": (LAMB_GRID, "allreduce"),
+    "slamb": (LAMB_GRID, "allreduce"),
+    "sadamw": (ADAMW_GRID, "allreduce"),
+    "sadamw-k02": (ADAMW_GRID, "allreduce"),
+    "diloco": (ADAMW_GRID, "allreduce"),
+    "desloc": (ADAMW_GRID, "allreduce"),
+    "demo": (DEMO_GRID, "allgather"),
+}
+
+
+# ---------------------------------------------------------------------------- one run (a torchrun worker)
+def build(method, lr, model, named):
+    """``(optimizer, ddp_model_or_None, traffic_fn)`` for ``method``: what a user writes."""
+    import torch
+
+    import slamb_comm.adapters.torch as st
+
+    params = [p for _, p in named]
+    if method in ("adamw", "lamb"):
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.01) if method == "adamw" else \
+            st.LAMB(ddp.parameters(), lr=lr, weight_decay=0.01)
+        return opt, ddp, None
+    if method == "slamb":
+        base = st.SLAMB(params, lr=lr, weight_decay=0.01, ratio=0.1, value_dtype="float16", beta3=0.9,
+                        sync_interval=100)
+    elif method in ("sadamw", "sadamw-k02"):
+        base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=0.1 if method == "sadamw" else 0.02,
+                         value_dtype="float16", beta3=0.9, sync_interval=100)
+    if method in ("slamb", "sadamw", "sadamw-k02"):
+        opt = st.DistributedOptimizer(base, named_parameters=named)
+        return opt, None, opt.step_traffic
+    if method == "diloco":
+        opt = st.DiLoCo(torch.optim.AdamW(params, lr=lr, weight_decay=0.01), sync_interval=50)
+        return opt, None, opt.step_traffic
+    if method == "desloc":
+        opt = st.DesLoc(torch.optim.AdamW(params, lr=lr, weight_decay=0.01), sync_interval=50)
+        return opt, None, opt.step_traffic
+    if method == "demo":
+        opt = st.DeMo(params, lr=lr, weight_decay=0.01, chunk=64, topk=32)
+        return opt, None, opt.step_traffic
+    raise SystemExit(f"unknown method {method!r}; known: {list(METHODS)}")
+
+
+def worker(args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import common
+    from slamb_comm.adapters.torch import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    me, P = dist.get_rank(), dist.get_world_size()
+    train_data, val_data = common.stdlib_corpus(200)
+    torch.manual_seed(args.seed)
+    model = common.tiny_transformer()
+    for p in model.parameters():  # the same start on every rank
+        dist.broadcast(p.data, 0)
+    val = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in common.lm_eval_batches(val_data, 16, 64, 8)]
+    named = list(model.named_parameters())
+    N = sum(p.numel() for _, p in named)
+    opt, ddp, traffic = build(args.method, args.lr, model, named)
+    net = ddp if ddp is not None else model
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def evaluate():
+        avg = [p.detach().clone() for p in model.parameters()]
+        for a in avg:  # the mean of the replicas (local-update methods differ between averages)
+            dist.all_reduce(a)
+            a /= P
+        saved = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, a in zip(model.parameters(), avg):
+                p.copy_(a)
+            loss = float(np.mean([loss_fn(model(x), y).item() for x, y in val]))
+            for p, s in zip(model.parameters(), saved):
+                p.copy_(s)
+        return loss
+
+    rows, payload, t0 = [], 0, time.perf_counter()
+    for step in range(1, args.steps + 1):
+        rng = np.random.default_rng([args.seed, me, step])
+        x, y = common.lm_batch(train_data, 16, 64, rng)
+        opt.zero_grad()
+        loss = loss_fn(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        payload += 4 * N if traffic is None else traffic().payload_bytes
+        if step % args.eval_every == 0 or step == args.steps:
+            v = evaluate()
+            if me == 0:
+                rows.append({"method": args.method, "lr": args.lr, "seed": args.seed, "ranks": P, "step": step,
+                             "val_loss": v, "payload_bytes": payload, "dense_bytes": 4 * N * step,
+                             "payload_vs_dense": payload / (4 * N * step), "params": N,
+                             "seconds": time.perf_counter() - t0})
+                print(f"{args.method} lr {args.lr} seed {args.seed} step {step} val {v:.4f} "
+                      f"payload {payload / (4 * N * step):.2%}", flush=True)
+    if me == 0:
+        write_rows(rows, args.csv)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the driver
+def tag(method, lr, seed):
+    return "".join(c if c.isalnum() else "_" for c in f"{method}_{lr}_seed{seed}")
+
+
+def launch(method, lr, seed, args):
+    path = os.path.join(args.out, "runs", tag(method, lr, seed) + ".csv")
+    if os.path.exists(path) and not args.rerun:
+        return None, path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cmd = ["timeout", str(args.timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(args.ranks), os.path.abspath(__file__), "--worker", "--method", method,
+           "--lr", str(lr), "--seed", str(seed), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+           "--csv", path]
+    log = open(path + ".log", "w")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), path
+
+
+def run_all(jobs, args):
+    """Run ``(method, lr, seed)`` jobs, ``--parallel`` at a time; returns their CSV paths."""
+    pending, running, paths = list(jobs), [], {}
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            job = pending.pop(0)
+            proc, path = launch(*job, args)
+            paths[job] = path
+            if proc is not None:
+                running.append((job, proc, time.time()))
+        for item in list(running):
+            job, proc, t0 = item
+            if proc.poll() is not None:
+                running.remove(item)
+                if proc.returncode != 0:
+                    tail = open(paths[job] + ".log").read()[-3000:]
+                    raise SystemExit(f"{job} failed (rc {proc.returncode}):\n{tail}")
+                print(f"[peers] {job}: {time.time() - t0:.0f} s", flush=True)
+        time.sleep(0.5)
+    return paths
+
+
+def read(path):
+    return [dict(r, val_loss=float(r["val_loss"]), step=int(r["step"]), payload_bytes=float(r["payload_bytes"]),
+                 dense_bytes=float(r["dense_bytes"])) for r in csv.DictReader(open(path))]
+
+
+def wire(method, payload_per_step, P):
+    if METHODS[method][1] == "allgather":
+        return (P - 1) * payload_per_step
+    return 2.0 * (P - 1) / P * payload_per_step
+
+
+def report(runs, args):
+    """The table: per method its best lr, mean final loss over seeds, bytes and bytes to targets."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    mean_final, curves = {}, {}
+    for m, per_lr in runs.items():
+        lr = min(per_lr, key=lambda lr: per_lr[lr][seeds[0]][-1]["val_loss"])
+        finals = [per_lr[lr][s][-1]["val_loss"] for s in seeds if s in per_lr[lr]]
+        rows0 = per_lr[lr][seeds[0]]
+        curve = [(rows0[i]["step"], rows0[i]["payload_bytes"],
+                  sum(per_lr[lr][s][i]["val_loss"] for s in seeds if s in per_lr[lr]) / len(finals))
+                 for i in range(len(rows0))]
+        mean_final[m], curves[m] = (lr, finals), curve
+    targets = {t: sum(mean_final[t][1]) / len(mean_final[t][1]) for t in ("adamw", "lamb") if t in mean_final}
+    N = int(next(iter(next(iter(runs.values())).values()))[seeds[0]][-1]["params"])
+    dense_step = 4 * N
+    lines = [f"`python3 benchmarks/peers.py --ranks {args.ranks} --steps {args.steps} --seeds {args.seeds}`: "
+             f"the byte-level LM of examples/train_lm.py, {N:,} parameters, {args.ranks} ranks, {args.steps} steps; "
+             f"final validation loss, mean over seeds {args.seeds} (min-max), at each method's best lr of its grid "
+             f"at seed {seeds[0]}. Payload: bytes handed to the collectives per rank, against one float32 allreduce "
+             "of every gradient per step; wire at P from the collectives' cost model.", "",
+             "| method | lr | val loss | vs dense AdamW | payload | wire P=4 | wire P=64 | wire P=1024 | "
+             "MB to AdamW's loss | MB to LAMB's loss |", "|---" * 10 + "|"]
+    for m, (lr, finals) in mean_final.items():
+        mean = sum(finals) / len(finals)
+        curve = curves[m]
+        steps = curve[-1][0]
+        per_step = curve[-1][1] / steps
+        ratio = per_step / dense_step
+        wires = [wire(m, per_step, P) / (2.0 * (P - 1) / P * dense_step) for P in (4, 64, 1024)]
+        reach = []
+        for t in ("adamw", "lamb"):
+            hit = next((b for _, b, v in curve if t in targets and v <= targets[t]), None)
+            reach.append("never" if hit is None else f"{hit / 1e6:,.0f}")
+        vs = f"{(mean / targets['adamw'] - 1):+.1%}" if "adamw" in targets else ""
+        lines.append(f"| {m} | {lr} | {mean:.4f} ({min(finals):.4f}-{max(finals):.4f}) | {vs} | {ratio:.2%} | "
+                     + " | ".join(f"{w:.2%}" for w in wires) + f" | {reach[0]} | {reach[1]} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "peers.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for m, curve in curves.items():
+            ax.plot([b / 1e6 for _, b, _ in curve], [v for _, _, v in curve], marker=".", label=m)
+        for t, v in targets.items():
+            ax.axhline(v, ls=":", color="grey")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB handed to the collectives per rank (cumulative)")
+        ax.set_ylabel("validation loss (nats/byte), mean over seeds")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "peers.png"), dpi=120)
+    except ImportError:
+        pass
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--csv", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "peers"))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", default="0,1,2", help="the lr sweep runs at the first; the best lr at all")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--parallel", type=int, default=1, help="jobs at once")
+    ap.add_argument("--timeout", type=int, default=1800, help="outer timeout of each run, seconds")
+    ap.add_argument("--grid-size", type=int, default=3, help="the first K points of each method's lr grid")
+    ap.add_argument("--phase", choices=["sweep", "all"], default="all", help="sweep: seed 0's lr sweep only")
+    ap.add_argument("--rerun", action="store_true")
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    grid = {m: METHODS[m][0][:args.grid_size] for m in methods}
+    paths = run_all([(m, lr, seeds[0]) for m in methods for lr in grid[m]], args)
+    runs = {m: {lr: {seeds[0]: read(paths[(m, lr, seeds[0])])} for lr in grid[m]} for m in methods}
+    if args.phase == "sweep":
+        return None
+    best = {m: min(runs[m], key=lambda lr: runs[m][lr][seeds[0]][-1]["val_loss"]) for m in methods}
+    paths = run_all([(m, best[m], s) for m in methods for s in seeds[1:]], args)
+    for (m, lr, s), path in paths.items():
+        runs[m][lr][s] = read(path)
+    all_rows = [dict(r) for m in runs for lr in runs[m] for s in runs[m][lr] for r in runs[m][lr][s]]
+    write_rows(all_rows, os.path.join(args.out, "runs.csv"))
+    report(runs, args)
+
+
+if __name__ == "__main__":
+    main()
