@@ -352,20 +352,21 @@ def _elastic_sync(opt, params=True):
 
 
 class _Slot:
-    """A tensor's place in a state's skeleton (shape and dtype: what a worker without it allocates)."""
+    """A tensor's place in a state's skeleton (shape and dtype: what a worker without it allocates;
+    its path, for the log)."""
 
-    def __init__(self, i, t):
-        self.i, self.shape, self.dtype = i, tuple(t.shape), t.dtype
+    def __init__(self, i, t, path):
+        self.i, self.shape, self.dtype, self.path = i, tuple(t.shape), t.dtype, path
 
 
-def _skeleton(v, leaves):
+def _skeleton(v, leaves, path=""):
     if isinstance(v, torch.Tensor):
         leaves.append(v.detach())
-        return _Slot(len(leaves) - 1, v)
+        return _Slot(len(leaves) - 1, v, path)
     if isinstance(v, dict):
-        return type(v)((k, _skeleton(x, leaves)) for k, x in v.items())
+        return type(v)((k, _skeleton(x, leaves, f"{path}.{k}" if path else str(k))) for k, x in v.items())
     if isinstance(v, (list, tuple)):
-        return type(v)(_skeleton(x, leaves) for x in v)
+        return type(v)(_skeleton(x, leaves, f"{path}[{i}]") for i, x in enumerate(v))
     return v
 
 
@@ -420,7 +421,7 @@ def _merge(state, holder, tag):
             pending.append((s, acc, hvd.allreduce_async_(acc, op=hvd.Sum, name=f"{tag}.mean.{s.i}"), len(holders)))
         else:  # equal on every holder, not a number, or the first sync: the first holder's
             if differ and not first:
-                taken.append(s.i)
+                taken.append(s.path)
             wire = _WIRE.get(s.dtype, s.dtype)
             buf = leaves[s.i].to(wire, copy=True) if me == root else torch.empty(s.shape, dtype=wire)
             pending.append((s, buf, hvd.broadcast_async_(buf, root_rank=root, name=f"{tag}.take.{s.i}"), 0))
