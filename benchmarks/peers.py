@@ -54,6 +54,10 @@ METHODS = {  # name: (lr grid, collective)
     "diloco": (ADAMW_GRID, "allreduce"),
     "desloc": (ADAMW_GRID, "allreduce"),
     "demo": (DEMO_GRID, "allgather"),
+    # SAdamW with its second moment averaged over the ranks every 100 / 300 steps (DES-LOC's
+    # argument), at SAdamW's best lr (not swept again): the measurement behind the default
+    "sadamw-v100": ((0.004,), "allreduce"),
+    "sadamw-v300": ((0.004,), "allreduce"),
 }
 
 
@@ -73,12 +77,15 @@ def build(method, lr, model, named):
     if method == "slamb":
         base = st.SLAMB(params, lr=lr, weight_decay=0.01, ratio=0.1, value_dtype="float16", beta3=0.9,
                         sync_interval=100)
-    elif method in ("sadamw", "sadamw-k02"):
-        base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=0.1 if method == "sadamw" else 0.02,
+    elif method.startswith("sadamw"):
+        base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=0.02 if method == "sadamw-k02" else 0.1,
                          value_dtype="float16", beta3=0.9, sync_interval=100)
-    if method in ("slamb", "sadamw", "sadamw-k02"):
+    if method == "slamb" or method.startswith("sadamw"):
         opt = st.DistributedOptimizer(base, named_parameters=named)
-        return opt, None, opt.step_traffic
+        if "-v" not in method:
+            return opt, None, opt.step_traffic
+        every = int(method.split("-v")[1])
+        return opt, None, _averaging_v(opt, every)
     if method == "diloco":
         opt = st.DiLoCo(torch.optim.AdamW(params, lr=lr, weight_decay=0.01), sync_interval=50)
         return opt, None, opt.step_traffic
@@ -89,6 +96,27 @@ def build(method, lr, model, named):
         opt = st.DeMo(params, lr=lr, weight_decay=0.01, chunk=64, topk=32)
         return opt, None, opt.step_traffic
     raise SystemExit(f"unknown method {method!r}; known: {list(METHODS)}")
+
+
+def _averaging_v(opt, every):
+    """A measurement, not a library feature: after every ``every``-th step, replace each
+    parameter's second moment (SLAMB's state ``exp_avg_sq``, a live view of its v) by its mean
+    over the ranks, one float32 allreduce, and count its payload; returns the traffic function."""
+    import torch.distributed as dist
+
+    steps = [0]
+
+    def traffic():
+        t = opt.step_traffic()
+        steps[0] += 1
+        if steps[0] % every == 0 and dist.get_world_size() > 1:
+            vs = [opt.state[p]["exp_avg_sq"] for g in opt.param_groups for p in g["params"]]
+            for v in vs:
+                dist.all_reduce(v)
+                v /= dist.get_world_size()
+            t.payload_bytes += sum(v.numel() * v.element_size() for v in vs)
+        return t
+    return traffic
 
 
 def worker(args):
@@ -295,6 +323,8 @@ def main(argv=None):
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     grid = {m: METHODS[m][0][:args.grid_size] for m in methods}
+    if all(len(g) == 1 for g in grid.values()) and args.phase == "all":  # nothing to sweep: every seed at once
+        run_all([(m, grid[m][0], s) for m in methods for s in seeds], args)
     paths = run_all([(m, lr, seeds[0]) for m in methods for lr in grid[m]], args)
     runs = {m: {lr: {seeds[0]: read(paths[(m, lr, seeds[0])])} for lr in grid[m]} for m in methods}
     if args.phase == "sweep":
