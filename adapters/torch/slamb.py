@@ -506,15 +506,16 @@ class SAdamW(SLAMB):
     ``torch.optim.AdamW`` exactly, up to float rounding, at any ``ratio``.
 
     Args: as :class:`SLAMB` without ``c_min``/``c_max``; AdamW's defaults (``eps=1e-8``,
-    ``weight_decay=0.01``).
+    ``weight_decay=0.01``), and ``beta3=0.9``, the setting measured against dense AdamW
+    (docs/algorithm.md section 11; v stays per rank: averaging it did not help there).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kwargs):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, beta3=0.9, **kwargs):
         for k in ("c_min", "c_max"):
             if k in kwargs:
                 raise ConfigError(f"SAdamW has no trust ratio: {k} is fixed at 1 (use SLAMB for LAMB's update)")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, c_min=1.0, c_max=1.0,
-                         **kwargs)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3, c_min=1.0,
+                         c_max=1.0, **kwargs)
 
 
 class LAMB(SLAMB):
