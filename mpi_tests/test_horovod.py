@@ -1189,6 +1189,9 @@ def test_step_traffic_counts_one_dense_allreduce_per_step_also_on_sync_steps():
     if P > 1:  # a sync step sends the parameters (N + 1 float32 values) on top of the masked momentum
         assert seen[0].payload_bytes - seen[1].payload_bytes == 4 * (N + 1)
         assert seen[2].payload_bytes == seen[0].payload_bytes
+    train(model, opt, 3, start=5)  # read once after three steps: three dense steps
+    tr = opt.step_traffic()
+    assert tr.dense_payload_bytes == 3 * 4 * N and tr.payload_bytes == sum(t.payload_bytes for t in seen[:3]), tr
 
 
 def test_lamb_is_the_dense_baseline():

@@ -34,11 +34,12 @@ def alltoall_wire(payload, size):
     return (size - 1) / size * payload if size > 1 else 0.0
 
 
-def per_step(traffic, dense_bytes, size):
-    """``traffic`` (what one optimizer step sent) against the dense reference of a step: one
-    ring allreduce of ``dense_bytes`` (every gradient) on ``size`` ranks, counted once per step
-    whatever the method sent (docs/algorithm.md section 4)."""
-    return replace(traffic, dense_payload_bytes=int(dense_bytes), dense_wire_bytes=allreduce_wire(dense_bytes, size))
+def per_step(traffic, dense_bytes, size, steps=1):
+    """``traffic`` (what ``steps`` optimizer steps sent) against the dense reference of a step:
+    one ring allreduce of ``dense_bytes`` (every gradient) on ``size`` ranks, counted once per
+    step whatever the method sent (docs/algorithm.md section 4)."""
+    dense = int(dense_bytes) * int(steps)
+    return replace(traffic, dense_payload_bytes=dense, dense_wire_bytes=allreduce_wire(dense, size))
 
 
 @dataclass

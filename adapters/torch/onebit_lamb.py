@@ -325,6 +325,7 @@ class OneBitLAMB(torch.optim.Optimizer):
         for e in self._engines:  # torch's load made new group dicts: read options from those
             e.groups = [group_of[p] for p in e.params]
             self._import_state(e, {p: raw[p] for p in e.params if p in raw})
+        self._traffic_t = max((e.rule.t + e.rule.skipped_steps for e in self._engines), default=0)
 
     @property
     def skipped_steps(self):
@@ -337,3 +338,4 @@ class OneBitLAMB(torch.optim.Optimizer):
         return [e.comm for e in self._engines]
 
     step_traffic = SLAMB.step_traffic
+    _steps_since_traffic = SLAMB._steps_since_traffic

@@ -111,7 +111,10 @@ class _Wrapper(torch.optim.Optimizer):
             total = total + c.stats.new_step()
             dense += c.layout.total * c.layout.dtype.itemsize
             size = c.comm.size
-        return per_step(total, dense, size)  # a dense step's allreduce, also on steps that average nothing
+        now = max((c.t for c in self.cores), default=0)
+        last, self._traffic_t = getattr(self, "_traffic_t", 0), now
+        # a dense step's allreduce per step since the last call, also on steps that average nothing
+        return per_step(total, dense, size, max(now - last, 0))
 
     def state_dict(self):
         """The wrapped optimizer's ``state_dict()`` plus a ``'periodic'`` entry: per bucket, the
@@ -135,6 +138,7 @@ class _Wrapper(torch.optim.Optimizer):
         self.state, self.param_groups = self.optimizer.state, self.optimizer.param_groups  # torch replaced them
         for c, s in zip(self.cores, periodic["buckets"]):
             c.load_state_dict(_to_numpy(s))
+        self._traffic_t = max((c.t for c in self.cores), default=0)
 
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's ``zero_grad``."""

@@ -468,6 +468,7 @@ class SLAMB(torch.optim.Optimizer):
             engines = self._engines
         for e in engines:
             self._import_state(e, {p: raw[p] for p in e.params if p in raw})
+        self._traffic_t = max((e.rule.t + e.rule.skipped_steps for e in engines), default=0)
 
     # ------------------------------------------------------------------ statistics
     @property
@@ -491,7 +492,15 @@ class SLAMB(torch.optim.Optimizer):
             total = total + c.stats.new_step()
             dense += c.layout.total * c.layout.dtype.itemsize
             size = c.size
-        return per_step(total, dense, size)
+        return per_step(total, dense, size, self._steps_since_traffic())
+
+    def _steps_since_traffic(self):
+        """Steps taken (or skipped on every rank, which still sent) since the last
+        :meth:`step_traffic` call, or since construction or the last ``load_state_dict``."""
+        engines = self._ensure_engines() if hasattr(self, "_ensure_engines") else self._engines  # OneBitLAMB's too
+        now = max((e.rule.t + e.rule.skipped_steps for e in engines), default=0)
+        last, self._traffic_t = getattr(self, "_traffic_t", 0), now
+        return max(now - last, 0)
 
 
 class SAdamW(SLAMB):
