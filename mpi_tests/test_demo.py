@@ -8,7 +8,8 @@ every rank's momentum, so it knows what each rank sends. After each step the rep
 bitwise equal (every rank applies the sign of the same decoded mean).
 """
 
-import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -23,64 +24,12 @@ SHAPES = [(20, 13), (7,), (3, 4, 5), (16, 16), (), (9, 1)]
 S, K, LR, BETA, WD = 8, 5, 0.01, 0.9, 0.05
 
 
-# ----------------------------------------------------------------------------- the dense float64 reference
-def dct_table(s):
-    """T[u, n] = a_u cos(pi (2 n + 1) u / (2 s)), a_0 = sqrt(1/s), a_u = sqrt(2/s) (the DCT-II, term by term)."""
-    t = np.empty((s, s))
-    for u in range(s):
-        for n in range(s):
-            t[u, n] = math.sqrt((1.0 if u == 0 else 2.0) / s) * math.cos(math.pi * (2 * n + 1) * u / (2 * s))
-    return t
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from demo_reference import RefDeMo  # noqa: E402  (the dense float64 reference, shared with tests/test_demo.py)
 
 
-def extract(m, s, k, vdtype):
-    """q = IDCT(top-k of DCT(chunk)) for every s x s block (1-D: run of s) of the zero-padded
-    tensor (ndim >= 2 viewed as (shape[0], rest)), values rounded to ``vdtype``, unpadded."""
-    t = dct_table(s)
-    one_d = m.ndim <= 1
-    a = m.reshape(1, -1) if one_d else m.reshape(m.shape[0], -1)
-    r, c = a.shape
-    rows = 1 if one_d else -(-r // s) * s
-    pad = np.zeros((rows, -(-c // s) * s))
-    pad[:r, :c] = a
-    out = np.zeros_like(pad)
-    for i in range(0, rows, 1 if one_d else s):
-        for j in range(0, pad.shape[1], s):
-            if one_d:
-                coef = np.einsum("ua,a->u", t, pad[0, j : j + s])
-            else:
-                coef = np.einsum("ua,vb,ab->uv", t, t, pad[i : i + s, j : j + s]).ravel()
-            sel = np.argsort(-np.abs(coef), kind="stable")[: min(k, coef.size)]
-            sparse = np.zeros_like(coef)
-            sparse[sel] = coef[sel].astype(vdtype).astype(np.float64)
-            if one_d:
-                out[0, j : j + s] = np.einsum("ua,u->a", t, sparse)
-            else:
-                out[i : i + s, j : j + s] = np.einsum("ua,vb,uv->ab", t, t, sparse.reshape(s, s))
-    return out[:r, :c].reshape(m.shape)
-
-
-class RefDeMo:
-    """Every rank r: m_r = beta m_r + g_r; q_r = extract(m_r); m_r -= q_r. Then, the same on every
-    rank, Q = (1/P) sum_r q_r and x = (1 - lr wd) x - lr sign(Q)."""
-
-    def __init__(self, x, P, lr, wd, vdtype, beta=BETA):
-        self.x = [np.array(a, np.float64) for a in x]
-        self.m = [[np.zeros_like(a) for a in self.x] for _ in range(P)]
-        self.lr, self.wd, self.vdtype, self.beta = lr, wd, vdtype, beta
-
-    def step(self, grads):
-        qs = []
-        for mr, gr in zip(self.m, grads):
-            qr = []
-            for i, g in enumerate(gr):
-                mr[i] = self.beta * mr[i] + np.asarray(g, np.float64)
-                qr.append(extract(mr[i], S, K, self.vdtype))
-                mr[i] = mr[i] - qr[-1]
-            qs.append(qr)
-        for i in range(len(self.x)):
-            Q = sum(qr[i] for qr in qs) / len(qs)
-            self.x[i] = (1.0 - self.lr * self.wd) * self.x[i] - self.lr * np.sign(Q)
+def reference(x, P, lr, wd, vdtype):
+    return RefDeMo(x, P, lr, BETA, wd, S, K, vdtype)
 
 
 def start_params(dtype=np.float64):
@@ -107,7 +56,7 @@ def test_core_rule_matches_the_reference_every_step(vd, fused):
     P, me = world.size, world.rank
     x = start_params()
     opt = DeMo(sc.MPITransport(), x, lr=LR, beta=BETA, weight_decay=WD, chunk=S, topk=K, value_dtype=vd)
-    ref = RefDeMo(x, P, LR, WD, vd)
+    ref = reference(x, P, LR, WD, vd)
     flat = np.concatenate([a.ravel() for a in x])
     mine = opt.layout.views(flat) if fused else x
     for t in range(1, 11):
@@ -167,7 +116,7 @@ def test_torch_demo_matches_the_reference_every_step(gloo, vd):
     ps = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in x]
     opt = TorchDeMo([{"params": ps[:3], "lr": 0.02, "weight_decay": 0.1}, {"params": ps[3:]}], lr=LR, momentum=BETA,
                     chunk=S, topk=K, value_dtype=vd)
-    refs = [RefDeMo(x[:3], P, 0.02, 0.1, vd), RefDeMo(x[3:], P, LR, 0.0, vd)]
+    refs = [reference(x[:3], P, 0.02, 0.1, vd), reference(x[3:], P, LR, 0.0, vd)]
     for t in range(1, 9):
         g = [rank_grads(r, t, refs[0].x + refs[1].x) for r in range(P)]
         for p, gi in zip(ps, g[me]):

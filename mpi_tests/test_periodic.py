@@ -6,6 +6,9 @@ dense float64 reference of docs/algorithm.md section 12 written out here:
 for N = 1, 2 and 4. Every rank starts from its own parameters (the construction broadcasts rank
 0's) and gets gradients of its own; the reference simulates all P ranks."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -13,6 +16,9 @@ from mpi4py import MPI
 from slamb_comm import MPITransport
 from slamb_comm.periodic import DesLoc, DiLoCo
 from slamb_comm.stats import allreduce_wire
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from adamw_reference import Adam  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -42,25 +48,6 @@ def unflat(v, xs):
     for x in xs:
         x[...] = v[o : o + x.size].reshape(x.shape)
         o += x.size
-
-
-class Adam:
-    """AdamW in float64 as torch computes it, on one rank's arrays."""
-
-    def __init__(self, xs, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, wd=0.01):
-        self.lr, self.b1, self.b2, self.eps, self.wd, self.t = lr, b1, b2, eps, wd, 0
-        self.m = [np.zeros_like(x) for x in xs]
-        self.v = [np.zeros_like(x) for x in xs]
-
-    def step(self, xs, gs):
-        self.t += 1
-        c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
-        for x, g, m, v in zip(xs, gs, self.m, self.v):
-            x *= 1 - self.lr * self.wd
-            m += (1 - self.b1) * (g - m)
-            v *= self.b2
-            v += (1 - self.b2) * g * g
-            x -= self.lr / c1 * m / (np.sqrt(v) / np.sqrt(c2) + self.eps)
 
 
 class Reference:

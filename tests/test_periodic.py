@@ -10,6 +10,8 @@ import pytest
 import slamb_comm as sc
 from slamb_comm.periodic import DesLoc, DiLoCo
 
+from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
+
 SHAPES = [(6, 5), (7,), (3, 4)]
 N = sum(int(np.prod(s)) for s in SHAPES)
 
@@ -25,25 +27,6 @@ def params(seed=0, dtype=np.float64, positive=False):
 def grads(t, xs):
     rng = np.random.default_rng([3, t])
     return [0.5 * x.astype(np.float64) + rng.standard_normal(x.shape) for x in xs]
-
-
-class Adam:
-    """AdamW in float64 as torch computes it (decoupled weight decay, bias-corrected)."""
-
-    def __init__(self, xs, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
-        self.lr, self.b1, self.b2, self.eps, self.wd, self.t = lr, *betas, eps, wd, 0
-        self.m = [np.zeros_like(x) for x in xs]
-        self.v = [np.zeros_like(x) for x in xs]
-
-    def step(self, xs, gs):
-        self.t += 1
-        c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
-        for x, g, m, v in zip(xs, gs, self.m, self.v):
-            x *= 1 - self.lr * self.wd
-            m += (1 - self.b1) * (g - m)
-            v *= self.b2
-            v += (1 - self.b2) * g * g
-            x -= self.lr / c1 * m / (np.sqrt(v) / np.sqrt(c2) + self.eps)
 
 
 class RefDiLoCo:
