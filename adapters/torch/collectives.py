@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,24 +27,58 @@ __all__ = ["TorchTransport", "TorchCollectives"]
 _TEARDOWN = []  # one atexit handler per process, registered by the first gloo transport or collectives
 
 
+def _gloo_worker_threads():
+    """States ('R', 'S', ...) of this process's gloo worker threads, from /proc (Linux); None
+    where /proc cannot tell."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("pt_gloo"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue
+    return states
+
+
 def _tear_down_gloo_at_exit(group):
     """When slamb_comm first runs collectives on a gloo group: have the process groups torn down
     at interpreter exit, if the script has not done so itself.
 
     Why: gloo's worker threads release the tensors of a collective a moment after it returned.
-    slamb_comm's collectives hand gloo tensors made in Python (every step), whose release needs
-    the GIL; a worker that gets the CPU again only once the interpreter is finalising cannot
-    take it and aborts the process ("terminate called without an active exception", seen here
-    in 2 of 10 to 7 of 15 runs of a script whose last act is a collective, on a loaded machine;
-    0 of 15 with this teardown). ``destroy_process_group()`` at exit joins those threads while
-    the interpreter is still whole. For gloo it is local: no collective, no wait on other ranks.
-    NCCL groups are left alone (their teardown can block on peers)."""
+    Tensors made in Python (slamb_comm's every step; a user's ``all_gather`` of temporaries)
+    need the GIL for that release; a worker that gets the CPU again only once the interpreter
+    is finalising cannot take it and aborts the process ("terminate called without an active
+    exception", seen here in 2 of 10 to 7 of 15 runs of a script whose last act is a
+    collective, on a loaded machine; pytorch/pytorch#190489). ``destroy_process_group()`` at
+    exit joins those threads while the interpreter is still whole -- but only for groups
+    nothing else holds: a live ``DistributedDataParallel`` model or a subgroup kept in a
+    Python variable keeps its gloo threads running until finalisation. For those, the handler
+    then releases the GIL until the remaining workers are idle (at most half a second), so
+    their pending releases happen now. For gloo all of this is local: no collective, no wait
+    on other ranks. NCCL groups are left alone (their teardown can block on peers)."""
     if _TEARDOWN or dist.get_backend(group) != "gloo":
         return
 
     def teardown():
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
+        states = _gloo_worker_threads()
+        if states == []:
+            return
+        deadline = time.monotonic() + 0.5
+        time.sleep(0.02)
+        while time.monotonic() < deadline:
+            states = _gloo_worker_threads()
+            if states is not None and "R" not in states:
+                return
+            time.sleep(0.02)
 
     atexit.register(teardown)
     _TEARDOWN.append(teardown)
