@@ -67,7 +67,7 @@ class TensorwiseStep:
         return list(self._counts)
 
     def picks(self, i, xp=np):
-        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.masks.Picks`)."""
+        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.picks.Picks`)."""
         t = self._open()
         p = self._picks.get(i)
         if p is None:
