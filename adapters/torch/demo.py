@@ -98,19 +98,15 @@ class DeMo(torch.optim.Optimizer):
             if u is None:
                 return loss
             u = tensor_of(u)
-            offsets, o = {}, 0
-            for p in self._params:
-                offsets[p] = o
-                o += p.numel()
-            for group in self.param_groups:
+            ds = dict(zip(self._params, u.split([p.numel() for p in self._params])))
+            for group in self.param_groups:  # one multi-tensor update per group, not one per parameter
                 lr, wd = group["lr"], group["weight_decay"]
-                for p in group["params"]:
-                    if p not in offsets:
-                        continue
-                    d = u[offsets[p] : offsets[p] + p.numel()].view_as(p)
-                    if wd:
-                        p.mul_(1.0 - lr * wd)
-                    p.add_(d.to(p.dtype), alpha=-lr)
+                ps = [p for p in group["params"] if p in ds]
+                if not ps:
+                    continue
+                if wd:
+                    torch._foreach_mul_(ps, 1.0 - lr * wd)
+                torch._foreach_add_(ps, [ds[p].view_as(p).to(p.dtype) for p in ps], alpha=-lr)
         return loss
 
     def state_dict(self):
