@@ -362,3 +362,30 @@ def test_integrations_benchmark_runs_every_arm(framework, tmp_path):
     rows = list(csv.DictReader(open(csv_path)))
     assert [r["arm"] for r in rows] == ["dense", "slamb", "topk"]
     assert all(0 < int(r["payload_bytes"]) < int(r["dense_bytes"]) for r in rows[1:])
+
+
+# ---------------------------------------------------------------------------- peers (issue 27)
+def test_peers_benchmark_table_with_an_allreduce_and_an_allgather_method(tmp_path):
+    """benchmarks/peers.py at 2 ranks, 4 steps, one lr each: dense AdamW (the baseline) and DeMo
+    (an all-gather, whose wire grows with P): the CSV, the table and the cost model's wire."""
+    out_dir = tmp_path / "peers"
+    proc = subprocess.run([sys.executable, "benchmarks/peers.py", "--methods", "adamw,demo", "--ranks", "2",
+                           "--steps", "4", "--eval-every", "2", "--seeds", "0", "--grid-size", "1",
+                           "--timeout", "240", "--out", str(out_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out_dir / "runs.csv")))
+    assert sorted({r["method"] for r in rows}) == ["adamw", "demo"]
+    last = {r["method"]: r for r in rows if r["step"] == "4"}
+    assert float(last["adamw"]["payload_vs_dense"]) == 1.0
+    assert 0 < float(last["demo"]["payload_vs_dense"]) < 0.1
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in (out_dir / "peers.md").read_text().splitlines() if line.startswith("| adamw") or
+             line.startswith("| demo")}
+    demo = table["demo"]  # lr, loss, vs AdamW, payload, wire P=4, 64, 1024, ...
+    pay, w4, w1024 = (float(demo[i].rstrip("%")) for i in (3, 4, 6))
+    # an all-gather's wire per rank is (P - 1) payloads, a ring allreduce's 2 (P - 1) / P: P / 2 times
+    # the payload's share; the table's payload is rounded to 0.01 points
+    assert w4 == pytest.approx(pay * 4 / 2, abs=0.011)
+    assert w1024 == pytest.approx(pay * 1024 / 2, abs=0.005 * 512 + 0.01)
+    assert table["adamw"][6] == "100.00%"

@@ -104,3 +104,17 @@ def test_horovod_slamb_example_under_horovodrun():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "of dense" in proc.stdout
+
+
+def test_lm_example_saves_on_two_ranks_and_resumes_on_one(tmp_path):
+    """The README's resize commands ("Jobs that change size") at a small scale: --save-at on 2
+    ranks, --resume on 1 (the checkpoint resized by docs/algorithm.md section 10), trained on to
+    the end."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--optimizer", "slamb", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--files", "20",
+              "--no-progress", "--checkpoint-dir", str(ckpt)]
+    first = mpirun(2, "examples/train_lm.py", *common, "--save-at", "2", "--csv", str(tmp_path / "a.csv"))
+    assert "summary: slamb final val loss" in first
+    second = mpirun(1, "examples/train_lm.py", *common, "--resume", "--csv", str(tmp_path / "b.csv"))
+    assert f"resumed at step 2 from {ckpt} (saved by 2 ranks, now 1)" in second, second[-2000:]
+    assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "b.csv"))] == [4]
