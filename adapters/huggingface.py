@@ -24,6 +24,7 @@ With Accelerate, :func:`save_rank_state` / :func:`load_rank_state` do the same b
 ``accelerator.save_state``. docs/integrations.md says what works and what resume means.
 """
 
+import logging
 import os
 import warnings
 
@@ -33,8 +34,11 @@ import transformers
 from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch.rank_files import load_rank_file
 
 __all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state"]
+
+_log = logging.getLogger("slamb_comm")
 
 
 def _ddp_of(model):
@@ -144,22 +148,21 @@ def save_rank_state(directory, model, optimizer, hook_state=None):
 def load_rank_state(directory, model, optimizer, hook_state=None):
     """Load :func:`save_rank_state`'s file for this rank into ``model`` (after DDP wrapped it:
     DDP's constructor broadcasts rank 0's parameters), ``optimizer`` and ``hook_state`` (a top-k
-    state, or None: then :func:`install` loads it when it makes the state). Returns False, with a
-    warning, if there is no such file or it was saved at another number of ranks: every rank
-    then goes on from what it has (rank 0's state, if the caller loaded it)."""
+    state, or None: then :func:`install` loads it when it makes the state). Files saved at
+    another number of ranks are all read, and every rank loads the state docs/algorithm.md
+    section 10 makes of them (moments, error buffers and parameters averaged). Returns False,
+    with a warning, if there are no such files: every rank then goes on from what it has (rank
+    0's state, if the caller loaded it)."""
     rank = torch.distributed.get_rank() if _distributed() else 0
     world = torch.distributed.get_world_size() if _distributed() else 1
-    path = os.path.join(directory, f"slamb_rank{rank}.pt")
-    problem = None if os.path.exists(path) else f"no per-rank state file {path}"
-    if problem is None:
-        own = torch.load(path, map_location="cpu", weights_only=False)  # written by save_rank_state
-        if own.get("world_size") != world:
-            problem = f"{path} was saved at {own.get('world_size')} ranks, this run has {world}"
-    if problem is not None:
-        warnings.warn(f"slamb_comm: {problem}: every rank resumes from rank 0's model and optimizer state (a valid "
+    own, note = load_rank_file(lambda r: os.path.join(directory, f"slamb_rank{r}.pt"), world, rank)
+    if own is None:
+        warnings.warn(f"slamb_comm: {note}: every rank resumes from rank 0's model and optimizer state (a valid "
                       "run, but not the interrupted one: SLAMB's moments and top-k's error buffers are per rank; "
                       "see docs/integrations.md)", stacklevel=2)
         return False
+    if note is not None:
+        _log.info("slamb_comm: %s: %s", directory, note)
     unwrapped = _ddp_of(model).module if _ddp_of(model) is not None else model
     unwrapped.load_state_dict(own["model"])
     optimizer.load_state_dict(own["optimizer"])

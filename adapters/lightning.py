@@ -17,11 +17,14 @@ has returned it (wrapping a bare ``SLAMB`` in :func:`slamb_comm.adapters.torch.D
 Checkpoints: Lightning writes rank 0's model and optimizer state. SLAMB's moments (and, between
 periodic syncs, its parameters) and top-k's error buffers differ per rank, so every rank also
 writes its own ``<checkpoint>.slamb_rank<r>`` file beside the checkpoint, and a resume loads it:
-the resumed run is then the interrupted one (docs/integrations.md). Without those files (a
-checkpoint from another strategy, another number of ranks) every rank resumes from rank 0's
-state and a warning says so: a valid run, not the interrupted one (docs/algorithm.md section 8).
+the resumed run is then the interrupted one (docs/integrations.md). Saved at another number of
+ranks, every rank reads every old rank's file and resumes from the state docs/algorithm.md
+section 10 makes of them (moments, error buffers and parameters averaged). Without those files
+(a checkpoint from another strategy) every rank resumes from rank 0's state and a warning says
+so: a valid run, not the interrupted one (docs/algorithm.md section 8).
 """
 
+import logging
 import os
 import warnings
 
@@ -32,8 +35,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch.rank_files import load_rank_file
 
 __all__ = ["SlambDDPStrategy", "rank_state_path"]
+
+_log = logging.getLogger("slamb_comm")
 
 
 def rank_state_path(checkpoint_path, rank):
@@ -156,21 +162,18 @@ class SlambDDPStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """Lightning's checkpoint, with this rank's own model and optimizer state put in (from
-        its ``.slamb_rank<r>`` file); without that file, rank 0's, with a warning."""
+        its ``.slamb_rank<r>`` file); saved at another number of ranks, the state that
+        docs/algorithm.md section 10 makes of every old rank's file; without the files, rank 0's,
+        with a warning."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = rank_state_path(checkpoint_path, self.global_rank)
-        problem = None
-        if not os.path.exists(path):
-            problem = f"no per-rank state file {path}"
-        else:
-            own = torch.load(path, map_location="cpu", weights_only=False)  # written by save_checkpoint above
-            if own.get("world_size") != self.world_size:
-                problem = f"{path} was saved at {own.get('world_size')} ranks, this run has {self.world_size}"
-        if problem is not None:
-            warnings.warn(f"slamb_comm: {problem}: every rank resumes from rank 0's model and optimizer state (a "
+        own, note = load_rank_file(lambda r: rank_state_path(checkpoint_path, r), self.world_size, self.global_rank)
+        if own is None:
+            warnings.warn(f"slamb_comm: {note}: every rank resumes from rank 0's model and optimizer state (a "
                           "valid run, but not the interrupted one: SLAMB's moments and top-k's error buffers are "
                           "per rank; see docs/integrations.md)", stacklevel=2)
             return checkpoint
+        if note is not None:
+            _log.info("slamb_comm: %s: %s", checkpoint_path, note)
         checkpoint = dict(checkpoint)
         if own["state_dict"] is not None:
             checkpoint["state_dict"] = own["state_dict"]

@@ -7,6 +7,7 @@ The Trainer's batches are recorded (``compute_loss``) so that a stock DDP + slam
 replay them (the path mpi_tests/test_torch_dist.py compares with docs/algorithm.md section 1).
 """
 
+import copy
 import json
 import os
 import sys
@@ -221,6 +222,66 @@ def case_resume(out, rank):
         assert torch.equal(flat(whole), flat(resumed)), f"{name}: the resumed run differs by {diff}"
         res[f"{name}_ranks_differ"] = not replicas_agree(flat(whole))
     assert res["slamb_ranks_differ"] and not res["topk_ranks_differ"], res
+    return res
+
+
+def _leaves(x, path=()):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, x
+
+
+def _is_mean(got, a, b):
+    """``got`` is the state of section 10's rule from ranks a and b: floating-point tensors that
+    differ are their float64 mean, cast back; everything else as saved. Returns how many differed."""
+    got, a, b = dict(_leaves(got)), dict(_leaves(a)), dict(_leaves(b))
+    assert got.keys() == a.keys(), sorted(set(got) ^ set(a))
+    averaged = 0
+    for k, v in got.items():
+        if torch.is_tensor(v) and v.is_floating_point() and not torch.equal(a[k], b[k]):
+            assert torch.equal(v, ((a[k].double() + b[k].double()) / 2).to(v.dtype)), k
+            averaged += 1
+        else:
+            assert torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k], k
+    return averaged
+
+
+class Loaded(transformers.TrainerCallback):
+    """The model's and optimizer's state as the resume left them, before the first step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kw):
+        t = self.trainer
+        self.model = {k: v.clone() for k, v in t.model.state_dict().items()}
+        self.optimizer = copy.deepcopy(t.optimizer.state_dict())
+        self.hook = copy.deepcopy(t.hook_state.state_dict()) if isinstance(t.hook_state, st.TopKHookState) else None
+
+
+def case_resize(out, rank):
+    """On 1 rank, after the 2-rank ``resume`` case in the same OUT_DIR: its checkpoint-3 (saved
+    at 2 ranks, between SLAMB's syncs) resumes from both ranks' files averaged (docs/algorithm.md
+    section 10), with no warning, and trains on to step 7."""
+    res = {}
+    for name, kw in (("slamb", dict(make_opt=slamb(ratio=0.25))), ("topk", dict(compression=slamb_comm.TopK(0.1)))):
+        ck = os.path.join(out, name, "checkpoint-3")
+        old = [torch.load(os.path.join(ck, f"slamb_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t, model = run(SlambRec, os.path.join(out, f"{name}_1"), 7, resume=ck, callbacks=[Loaded], **kw)
+        assert not any("rank 0's" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        seen = next(c for c in t.callback_handler.callbacks if isinstance(c, Loaded))
+        res[f"{name}_params_averaged"] = _is_mean(seen.model, old[0]["model"], old[1]["model"])
+        res[f"{name}_optimizer_averaged"] = _is_mean(seen.optimizer, old[0]["optimizer"], old[1]["optimizer"])
+        if name == "topk":
+            res["topk_residuals_averaged"] = _is_mean(seen.hook, old[0]["hook_state"], old[1]["hook_state"])
+        assert t.state.global_step == 7 and torch.isfinite(flat(model)).all()
     return res
 
 

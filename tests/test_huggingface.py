@@ -52,6 +52,13 @@ def test_trainer_accumulation_and_bf16(tmp_path):
 def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
     res = run_case("resume", tmp_path)
     assert res == {"slamb_ranks_differ": True, "topk_ranks_differ": False}
+    # the same checkpoint (saved at 2 ranks) on 1 rank: both ranks' files averaged (docs/algorithm.md
+    # section 10), no rank-0 fallback, training goes on
+    proc = torchrun(1, JOB, "resize", str(tmp_path), timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    res = json.loads((tmp_path / "resize.0.json").read_text())
+    assert res["slamb_params_averaged"] >= 2 and res["slamb_optimizer_averaged"] >= 4, res  # between syncs
+    assert res["topk_residuals_averaged"] >= 1, res
 
 
 def test_accelerate_install_and_rank_state(tmp_path):

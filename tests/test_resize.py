@@ -60,3 +60,77 @@ def test_a_structure_that_differs_is_refused():
     old[1]["groups"].append({})
     with pytest.raises(ValueError, match="differs in length"):
         resize(old, 1, 0)
+
+
+# ----------------------------------------------------------------------------- per-rank files of the frameworks
+def _slamb_files(tmp_path, P):
+    """What Lightning's SlambDDPStrategy and the Trainer's save_rank_state write: one torch file
+    per rank with its world size, model and optimizer state (a torch SLAMB, moments per rank)."""
+    from slamb_comm.adapters.torch import SLAMB
+
+    for r in range(P):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        opt = SLAMB(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(r)
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        torch.save({"world_size": P, "rank": r, "model": model.state_dict(), "optimizer": opt.state_dict()},
+                   tmp_path / f"slamb_rank{r}.pt")
+    return [torch.load(tmp_path / f"slamb_rank{r}.pt", weights_only=False) for r in range(P)]
+
+
+def _leaves(x, path=()):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, x
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_framework_rank_files_resize_to_another_world(tmp_path, new_world):
+    """adapters.torch.rank_files on 2 ranks' files: the same world loads each rank's own file
+    bitwise; another world gives every new rank the float64 mean of the floating-point tensors
+    (moments, parameters), written out here, and every other entry as saved."""
+    from slamb_comm.adapters.torch.rank_files import load_rank_file
+
+    old = _slamb_files(tmp_path, 2)
+    path_of = lambda r: str(tmp_path / f"slamb_rank{r}.pt")  # noqa: E731
+    own, note = load_rank_file(path_of, 2, 1)
+    assert note is None and all(torch.equal(a, b) if torch.is_tensor(a) else a == b
+                                for (_, a), (_, b) in zip(_leaves(own), _leaves(old[1])))
+    for rank in range(new_world):
+        st, note = load_rank_file(path_of, new_world, rank)
+        assert note.startswith(f"per-rank state of 2 ranks resized for rank {rank} of {new_world}"), note
+        assert st["world_size"] == new_world and "rank" not in st
+        got, a, b = (dict(_leaves({k: s[k] for k in ("model", "optimizer")})) for s in (st, *old))
+        assert got.keys() == a.keys()
+        averaged = 0
+        for k, v in got.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not torch.equal(a[k], b[k]):
+                want = ((a[k].double() + b[k].double()) / 2).to(v.dtype)
+                assert torch.equal(v, want), k
+                averaged += 1
+            else:
+                assert (torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k]), k
+        assert averaged >= 6, averaged  # weight and bias, and each one's m and v at least
+
+
+def test_framework_rank_files_missing_or_mixed(tmp_path):
+    from slamb_comm.adapters.torch.rank_files import load_rank_file
+
+    path_of = lambda r: str(tmp_path / f"slamb_rank{r}.pt")  # noqa: E731
+    assert load_rank_file(path_of, 2, 0) == (None, f"no per-rank state file {path_of(0)}")
+    _slamb_files(tmp_path, 3)
+    (tmp_path / "slamb_rank2.pt").unlink()
+    st, problem = load_rank_file(path_of, 2, 0)
+    assert st is None and problem == f"saved at 3 ranks, but {path_of(2)} is missing"
+    torch.save({"world_size": 2, "model": {}}, path_of(2))
+    with pytest.raises(ValueError, match="different checkpoints"):
+        load_rank_file(path_of, 4, 0)

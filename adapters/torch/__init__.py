@@ -20,6 +20,8 @@ module                     what it holds
                            and the distributed optimizers' collectives
 ``tensors``                torch tensors as the core's arrays: dtypes, views, CUDA streams
 ``params``                 parameter naming, change checks, state mapping, buckets
+``rank_files``             per-rank state files beside a framework's checkpoint, resized
+                           for another number of ranks (Lightning, the Trainer, Accelerate)
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
