@@ -12,7 +12,9 @@ ranks (4), every method through slamb_comm's API:
   (under 2% of the dense payload);
 * ``diloco``: ``DiLoCo(AdamW, H=50)``, outer Nesterov 0.7 / 0.9; ``desloc``: ``DesLoc(AdamW,
   H=50)`` (m every 150, v every 300 steps);
-* ``demo``: ``DeMo`` (top-32 of 64 x 64 DCT blocks, all-gathered).
+* ``demo``: ``DeMo`` (top-32 of 64 x 64 DCT blocks, all-gathered);
+* ``slamb@K@H``, ``sadamw@K@H``: the sparse exchange at ratio K and sync interval H, at the base
+  method's best lr (0.01, 0.004), for settings at equal payload.
 
 Bytes are every optimizer's ``step_traffic()`` (payload handed to the collectives, per rank),
 against the dense reference of a step (one float32 allreduce of every gradient,
@@ -74,13 +76,16 @@ def build(method, lr, model, named):
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.01) if method == "adamw" else \
             st.LAMB(ddp.parameters(), lr=lr, weight_decay=0.01)
         return opt, ddp, None
-    if method == "slamb":
-        base = st.SLAMB(params, lr=lr, weight_decay=0.01, ratio=0.1, value_dtype="float16", beta3=0.9,
-                        sync_interval=100)
+    k, H = (0.02 if method == "sadamw-k02" else 0.1), 100
+    if "@" in method:  # a variant: slamb@K@H or sadamw@K@H
+        k, H = float(method.split("@")[1]), int(method.split("@")[2])
+    if method.startswith("slamb"):
+        base = st.SLAMB(params, lr=lr, weight_decay=0.01, ratio=k, value_dtype="float16", beta3=0.9,
+                        sync_interval=H)
     elif method.startswith("sadamw"):
-        base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=0.02 if method == "sadamw-k02" else 0.1,
-                         value_dtype="float16", beta3=0.9, sync_interval=100)
-    if method == "slamb" or method.startswith("sadamw"):
+        base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=k, value_dtype="float16", beta3=0.9,
+                         sync_interval=H)
+    if method.startswith("slamb") or method.startswith("sadamw"):
         opt = st.DistributedOptimizer(base, named_parameters=named)
         if "-v" not in method:
             return opt, None, opt.step_traffic
@@ -318,6 +323,10 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:  # variants of the sparse exchange: ratio K, sync interval H, at the base's best lr
+        base, _, rest = m.partition("@")
+        if rest and base in ("slamb", "sadamw") and len(rest.split("@")) == 2:
+            METHODS[m] = ((0.01,) if base == "slamb" else (0.004,), "allreduce")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")

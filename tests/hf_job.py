@@ -19,6 +19,7 @@ import transformers
 
 import slamb_comm
 from slamb_comm.adapters import huggingface as hf
+from state_compare import averaged_from_two
 from slamb_comm.adapters import torch as st
 
 warnings.filterwarnings("ignore")
@@ -225,32 +226,6 @@ def case_resume(out, rank):
     return res
 
 
-def _leaves(x, path=()):
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, x
-
-
-def _is_mean(got, a, b):
-    """``got`` is the state of section 10's rule from ranks a and b: floating-point tensors that
-    differ are their float64 mean, cast back; everything else as saved. Returns how many differed."""
-    got, a, b = dict(_leaves(got)), dict(_leaves(a)), dict(_leaves(b))
-    assert got.keys() == a.keys(), sorted(set(got) ^ set(a))
-    averaged = 0
-    for k, v in got.items():
-        if torch.is_tensor(v) and v.is_floating_point() and not torch.equal(a[k], b[k]):
-            assert torch.equal(v, ((a[k].double() + b[k].double()) / 2).to(v.dtype)), k
-            averaged += 1
-        else:
-            assert torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k], k
-    return averaged
-
-
 class Loaded(transformers.TrainerCallback):
     """The model's and optimizer's state as the resume left them, before the first step."""
 
@@ -277,10 +252,10 @@ def case_resize(out, rank):
             t, model = run(SlambRec, os.path.join(out, f"{name}_1"), 7, resume=ck, callbacks=[Loaded], **kw)
         assert not any("rank 0's" in str(w.message) for w in caught), [str(w.message) for w in caught]
         seen = next(c for c in t.callback_handler.callbacks if isinstance(c, Loaded))
-        res[f"{name}_params_averaged"] = _is_mean(seen.model, old[0]["model"], old[1]["model"])
-        res[f"{name}_optimizer_averaged"] = _is_mean(seen.optimizer, old[0]["optimizer"], old[1]["optimizer"])
+        res[f"{name}_params_averaged"] = averaged_from_two(seen.model, *(o["model"] for o in old))
+        res[f"{name}_optimizer_averaged"] = averaged_from_two(seen.optimizer, *(o["optimizer"] for o in old))
         if name == "topk":
-            res["topk_residuals_averaged"] = _is_mean(seen.hook, old[0]["hook_state"], old[1]["hook_state"])
+            res["topk_residuals_averaged"] = averaged_from_two(seen.hook, *(o["hook_state"] for o in old))
         assert t.state.global_step == 7 and torch.isfinite(flat(model)).all()
     return res
 

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import slamb_comm
 from slamb_comm.adapters import torch as st
 from slamb_comm.adapters.lightning import SlambDDPStrategy
+from state_compare import averaged_from_two
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
@@ -241,6 +242,13 @@ def case_misuse(out, rank):
     return {k: v[:80] for k, v in res.items()}
 
 
+def _resume_arm(name):
+    """``(make_opt, strategy)`` of the resume cases: SLAMB at ratio 0.25, H = 4, or top-k under AdamW."""
+    if name == "slamb":
+        return slamb(ratio=0.25, sync_interval=4), SlambDDPStrategy()
+    return (lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)), SlambDDPStrategy(compression=slamb_comm.TopK(0.1))
+
+
 def case_resume(out, rank, phase):
     """Two epochs of 6 steps, ModelCheckpoint every epoch; ``whole``: straight through; ``first``:
     epoch 1 only; ``second``: a new model, strategy and Trainer, fit(ckpt_path=epoch 1); then,
@@ -249,11 +257,7 @@ def case_resume(out, rank, phase):
     syncs, where parameters and moments differ per rank) and top-k under AdamW."""
     res = {}
     for name in ("slamb", "topk"):
-        if name == "slamb":
-            make, strategy = slamb(ratio=0.25, sync_interval=4), SlambDDPStrategy()
-        else:
-            make = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
-            strategy = SlambDDPStrategy(compression=slamb_comm.TopK(0.1))
+        make, strategy = _resume_arm(name)
         model = Net(make)
         ckdir = os.path.join(out, f"ck_{name}_{'whole' if phase == 'whole' else 'split'}")
         cb = ModelCheckpoint(dirpath=ckdir, filename="{epoch}", save_top_k=-1)
@@ -280,43 +284,13 @@ def case_resume(out, rank, phase):
     return res
 
 
-def _leaves(x, path=()):
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, x
-
-
-def _is_mean(got, a, b):
-    """``got`` is the state of section 10's rule from ranks a and b: floating-point tensors that
-    differ are their float64 mean, cast back; everything else as saved. Returns how many differed."""
-    got, a, b = dict(_leaves(got)), dict(_leaves(a)), dict(_leaves(b))
-    assert got.keys() == a.keys(), sorted(set(got) ^ set(a))
-    averaged = 0
-    for k, v in got.items():
-        if torch.is_tensor(v) and v.is_floating_point() and not torch.equal(a[k], b[k]):
-            assert torch.equal(v, ((a[k].double() + b[k].double()) / 2).to(v.dtype)), k
-            averaged += 1
-        else:
-            assert torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k], k
-    return averaged
-
-
 def case_resize(out, rank):
     """On 1 rank, after the 2-rank ``resume`` case in the same OUT_DIR: its epoch-1 checkpoint
     (step 6, between SLAMB's syncs) resumes from both ranks' files averaged (docs/algorithm.md
     section 10), with no warning; then training goes on to epoch 2."""
     res = {}
     for name in ("slamb", "topk"):
-        if name == "slamb":
-            make, strategy = slamb(ratio=0.25, sync_interval=4), SlambDDPStrategy()
-        else:
-            make = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01)  # noqa: E731
-            strategy = SlambDDPStrategy(compression=slamb_comm.TopK(0.1))
+        make, strategy = _resume_arm(name)
         ckpt = os.path.join(out, f"ck_{name}_split", "epoch=0.ckpt")
         old = [torch.load(f"{ckpt}.slamb_rank{r}", weights_only=False) for r in (0, 1)]
         with warnings.catch_warnings(record=True) as caught:
@@ -325,16 +299,15 @@ def case_resize(out, rank):
             tr = trainer(strategy, out, devices=1, max_epochs=1)
             tr.fit(model, loader(rank, 6), ckpt_path=ckpt)  # restores; epoch 1 is already done
         assert not any("rank 0's" in str(w.message) for w in caught), [str(w.message) for w in caught]
-        res[f"{name}_params_averaged"] = _is_mean(model.state_dict(), old[0]["state_dict"], old[1]["state_dict"])
-        res[f"{name}_optimizer_averaged"] = _is_mean(tr.optimizers[0].state_dict(), old[0]["optimizer_states"][0],
-                                                     old[1]["optimizer_states"][0])
+        res[f"{name}_params_averaged"] = averaged_from_two(model.state_dict(), *(o["state_dict"] for o in old))
+        res[f"{name}_optimizer_averaged"] = averaged_from_two(tr.optimizers[0].state_dict(),
+                                                              *(o["optimizer_states"][0] for o in old))
         if name == "topk":
-            res["topk_residuals_averaged"] = _is_mean(strategy.hook_state.state_dict(), old[0]["hook_state"],
-                                                      old[1]["hook_state"])
+            res["topk_residuals_averaged"] = averaged_from_two(strategy.hook_state.state_dict(),
+                                                               *(o["hook_state"] for o in old))
         before = flat(model)
         model = Net(make)
-        trainer(SlambDDPStrategy() if name == "slamb" else SlambDDPStrategy(compression=slamb_comm.TopK(0.1)), out,
-                devices=1, max_epochs=2).fit(model, loader(rank, 6), ckpt_path=ckpt)
+        trainer(_resume_arm(name)[1], out, devices=1, max_epochs=2).fit(model, loader(rank, 6), ckpt_path=ckpt)
         assert torch.isfinite(flat(model)).all() and not torch.equal(flat(model), before), name
     return res
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slamb_comm.resize import resize
+from state_compare import averaged_from_two, leaves
 
 
 def states(P):
@@ -82,17 +83,6 @@ def _slamb_files(tmp_path, P):
     return [torch.load(tmp_path / f"slamb_rank{r}.pt", weights_only=False) for r in range(P)]
 
 
-def _leaves(x, path=()):
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, x
-
-
 @pytest.mark.parametrize("new_world", [1, 3])
 def test_framework_rank_files_resize_to_another_world(tmp_path, new_world):
     """adapters.torch.rank_files on 2 ranks' files: the same world loads each rank's own file
@@ -104,21 +94,13 @@ def test_framework_rank_files_resize_to_another_world(tmp_path, new_world):
     path_of = lambda r: str(tmp_path / f"slamb_rank{r}.pt")  # noqa: E731
     own, note = load_rank_file(path_of, 2, 1)
     assert note is None and all(torch.equal(a, b) if torch.is_tensor(a) else a == b
-                                for (_, a), (_, b) in zip(_leaves(own), _leaves(old[1])))
+                                for (_, a), (_, b) in zip(leaves(own), leaves(old[1])))
     for rank in range(new_world):
         st, note = load_rank_file(path_of, new_world, rank)
         assert note.startswith(f"per-rank state of 2 ranks resized for rank {rank} of {new_world}"), note
         assert st["world_size"] == new_world and "rank" not in st
-        got, a, b = (dict(_leaves({k: s[k] for k in ("model", "optimizer")})) for s in (st, *old))
-        assert got.keys() == a.keys()
-        averaged = 0
-        for k, v in got.items():
-            if torch.is_tensor(v) and v.is_floating_point() and not torch.equal(a[k], b[k]):
-                want = ((a[k].double() + b[k].double()) / 2).to(v.dtype)
-                assert torch.equal(v, want), k
-                averaged += 1
-            else:
-                assert (torch.equal(v, a[k]) if torch.is_tensor(v) else v == a[k]), k
+        averaged = averaged_from_two({k: st[k] for k in ("model", "optimizer")},
+                                     *({k: o[k] for k in ("model", "optimizer")} for o in old))
         assert averaged >= 6, averaged  # weight and bias, and each one's m and v at least
 
 
