@@ -24,9 +24,7 @@ With Accelerate, :func:`save_rank_state` / :func:`load_rank_state` do the same b
 ``accelerator.save_state``. docs/integrations.md says what works and what resume means.
 """
 
-import logging
 import os
-import warnings
 
 import torch
 import transformers
@@ -34,11 +32,9 @@ import transformers
 from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
-from .torch.rank_files import load_rank_file
+from .torch.rank_files import resume_state
 
 __all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state"]
-
-_log = logging.getLogger("slamb_comm")
 
 
 def _ddp_of(model):
@@ -155,14 +151,9 @@ def load_rank_state(directory, model, optimizer, hook_state=None):
     0's state, if the caller loaded it)."""
     rank = torch.distributed.get_rank() if _distributed() else 0
     world = torch.distributed.get_world_size() if _distributed() else 1
-    own, note = load_rank_file(lambda r: os.path.join(directory, f"slamb_rank{r}.pt"), world, rank)
+    own = resume_state(lambda r: os.path.join(directory, f"slamb_rank{r}.pt"), world, rank, directory)
     if own is None:
-        warnings.warn(f"slamb_comm: {note}: every rank resumes from rank 0's model and optimizer state (a valid "
-                      "run, but not the interrupted one: SLAMB's moments and top-k's error buffers are per rank; "
-                      "see docs/integrations.md)", stacklevel=2)
         return False
-    if note is not None:
-        _log.info("slamb_comm: %s: %s", directory, note)
     unwrapped = _ddp_of(model).module if _ddp_of(model) is not None else model
     unwrapped.load_state_dict(own["model"])
     optimizer.load_state_dict(own["optimizer"])

@@ -24,9 +24,7 @@ section 10 makes of them (moments, error buffers and parameters averaged). Witho
 so: a valid run, not the interrupted one (docs/algorithm.md section 8).
 """
 
-import logging
 import os
-import warnings
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -35,11 +33,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
-from .torch.rank_files import load_rank_file
+from .torch.rank_files import resume_state
 
 __all__ = ["SlambDDPStrategy", "rank_state_path"]
-
-_log = logging.getLogger("slamb_comm")
 
 
 def rank_state_path(checkpoint_path, rank):
@@ -166,14 +162,10 @@ class SlambDDPStrategy(DDPStrategy):
         docs/algorithm.md section 10 makes of every old rank's file; without the files, rank 0's,
         with a warning."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        own, note = load_rank_file(lambda r: rank_state_path(checkpoint_path, r), self.world_size, self.global_rank)
+        own = resume_state(lambda r: rank_state_path(checkpoint_path, r), self.world_size, self.global_rank,
+                           checkpoint_path)
         if own is None:
-            warnings.warn(f"slamb_comm: {note}: every rank resumes from rank 0's model and optimizer state (a "
-                          "valid run, but not the interrupted one: SLAMB's moments and top-k's error buffers are "
-                          "per rank; see docs/integrations.md)", stacklevel=2)
             return checkpoint
-        if note is not None:
-            _log.info("slamb_comm: %s: %s", checkpoint_path, note)
         checkpoint = dict(checkpoint)
         if own["state_dict"] is not None:
             checkpoint["state_dict"] = own["state_dict"]

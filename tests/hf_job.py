@@ -19,8 +19,8 @@ import transformers
 
 import slamb_comm
 from slamb_comm.adapters import huggingface as hf
-from state_compare import averaged_from_two
 from slamb_comm.adapters import torch as st
+from state_compare import averaged_from_two
 
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()

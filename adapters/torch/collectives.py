@@ -69,11 +69,10 @@ def _tear_down_gloo_at_exit(group):
     def teardown():
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
-        states = _gloo_worker_threads()
-        if states == []:
+        if not _gloo_worker_threads():  # none left (or no /proc to tell): nothing to wait for
             return
         deadline = time.monotonic() + 0.5
-        time.sleep(0.02)
+        time.sleep(0.02)  # first let a worker that sleeps waiting for the GIL take it
         while time.monotonic() < deadline:
             states = _gloo_worker_threads()
             if states is not None and "R" not in states:

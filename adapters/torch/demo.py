@@ -55,6 +55,7 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._sizes = [p.numel() for p in self._params]
         devices = {p.device for p in self._params}
         if len(devices) > 1:
             raise ValueError(f"DeMo needs every parameter on one device, got {sorted(map(str, devices))}")
@@ -98,7 +99,7 @@ class DeMo(torch.optim.Optimizer):
             if u is None:
                 return loss
             u = tensor_of(u)
-            ds = dict(zip(self._params, u.split([p.numel() for p in self._params])))
+            ds = dict(zip(self._params, u.split(self._sizes)))
             for group in self.param_groups:  # one multi-tensor update per group, not one per parameter
                 lr, wd = group["lr"], group["weight_decay"]
                 ps = [p for p in group["params"] if p in ds]

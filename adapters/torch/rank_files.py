@@ -10,13 +10,17 @@ buffers and parameters averaged in float64), as :func:`slamb_comm.checkpoint.loa
 rank computes the same means, so nothing is communicated.
 """
 
+import logging
 import os
+import warnings
 
 import torch
 
 from slamb_comm.resize import resize
 
-__all__ = ["load_rank_file"]
+__all__ = ["load_rank_file", "resume_state"]
+
+_log = logging.getLogger("slamb_comm")
 
 _META = ("world_size", "rank")  # what a file says about the rank that wrote it: not state
 
@@ -36,24 +40,24 @@ def load_rank_file(path_of, world, rank):
     """
     mine = path_of(rank)
     if os.path.exists(mine):
-        own = _read(mine)
-        if own.get("world_size") == world:
-            return own, None
-        old = own.get("world_size")
+        first = (rank, _read(mine))
+        if first[1].get("world_size") == world:
+            return first[1], None
     elif os.path.exists(path_of(0)):
-        old = _read(path_of(0)).get("world_size")
+        first = (0, _read(path_of(0)))
     else:
         return None, f"no per-rank state file {mine}"
+    old = first[1].get("world_size")
     if not isinstance(old, int) or old < 1:
-        return None, f"{mine} does not say how many ranks saved it"
+        return None, f"{path_of(first[0])} does not say how many ranks saved it"
     paths = [path_of(r) for r in range(old)]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         return None, f"saved at {old} ranks, but {missing[0]} is missing"
 
-    def states():
+    def states():  # one old file at a time; the one read above is not read again
         for r, p in enumerate(paths):
-            s = _read(p)
+            s = first[1] if r == first[0] else _read(p)
             if s.get("world_size") != old:
                 raise ValueError(f"{p} was saved at {s.get('world_size')} ranks, {paths[0]} at {old}: "
                                  "per-rank files of different checkpoints; save again")
@@ -63,3 +67,17 @@ def load_rank_file(path_of, world, rank):
     state["world_size"] = world
     return state, (f"per-rank state of {old} ranks resized for rank {rank} of {world} (docs/algorithm.md "
                    f"section 10): {report['kept']} entries kept, {len(report['averaged'])} averaged")
+
+
+def resume_state(path_of, world, rank, where):
+    """What a framework's resume loads on this rank: :func:`load_rank_file`'s state (a resize
+    logged on logger ``slamb_comm``), or None with a warning that every rank goes on from rank
+    0's state (the framework's own checkpoint). ``where`` names the checkpoint in the messages."""
+    state, note = load_rank_file(path_of, world, rank)
+    if state is None:
+        warnings.warn(f"slamb_comm: {note}: every rank resumes from rank 0's model and optimizer state (a valid "
+                      "run, but not the interrupted one: SLAMB's moments and top-k's error buffers are per rank; "
+                      "see docs/integrations.md)", stacklevel=3)
+    elif note is not None:
+        _log.info("slamb_comm: %s: %s", where, note)
+    return state
