@@ -34,6 +34,8 @@ What this module holds:
   exchange (docs/algorithm.md section 2) for any optimizer.
 * :func:`DistributedOptimizer` -- the drop-in for ``hvd.DistributedOptimizer``: the
   distributed optimizers of :mod:`slamb_comm.adapters.torch` on Horovod's collectives.
+* :func:`averaged_state_dict` -- the model to save: the float64 mean of the ranks' replicas
+  (SLAMB's differ between its periodic syncs), called on every rank; the live model is not touched.
 * Elastic Horovod: under ``horovodrun --min-np/--max-np/--host-discovery-script`` the SLAMB and
   TopK optimizers are built for their worker alone, and Horovod's own
   ``hvd.elastic.TorchState(model=..., optimizer=...)`` syncs them at every reset through its
@@ -71,11 +73,13 @@ import horovod.torch as hvd
 from slamb_comm.codecs import TopK
 from slamb_comm.transports import check_alltoall, check_buffer
 from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB, SAdamW
+from slamb_comm.adapters.torch.averaging import ReplicaGroup, mean_of_replicas
 from slamb_comm.adapters.torch.distributed import wrap
 from slamb_comm.adapters.torch.params import check_named_parameters
 from slamb_comm.adapters.torch.tensors import torch_view
 
-__all__ = ["HorovodTransport", "SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "DistributedOptimizer"]
+__all__ = ["HorovodTransport", "SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "DistributedOptimizer",
+           "averaged_state_dict"]
 
 _log = logging.getLogger("slamb_comm")
 
@@ -596,6 +600,40 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     if abort_on_exception:
         _end_job_on_uncaught_exception()
     return dist
+
+
+# ---------------------------------------------------------------------------- the saved model
+def averaged_state_dict(model, process_set=hvd.global_process_set):
+    """The mean of the ranks' replicas of ``model``: the state dict to save, evaluate or ship.
+
+    Horovod's counterpart of :func:`slamb_comm.adapters.torch.averaged_state_dict` (which says
+    what it returns): SLAMB's, SAdamW's, DiLoCo's and DES-LOC's replicas differ between their
+    periodic syncs, and ``model.state_dict()`` on rank 0 is one replica. Collective: every rank of
+    ``process_set`` calls it (a model that differs between the ranks raises ``ValueError`` on
+    every rank)::
+
+        state = slamb_comm.adapters.horovod.averaged_state_dict(model)
+        if hvd.rank() == 0:
+            torch.save(state, "model.pt")
+
+    Floating-point entries are the float64 mean (Horovod's ``Sum`` over the set, divided by its
+    size) cast back to their dtype, in new tensors; the model and optimizer are not touched, so
+    every rank's own ``state_dict()``, saved beside it, still resumes the run bitwise. A rank
+    outside ``process_set``, or a set of one rank, gets a copy of its own state.
+    """
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    if not process_set.included() or process_set.size() == 1:
+        return mean_of_replicas(state, None)
+    names = itertools.count()
+
+    def reduce(t):
+        return hvd.allreduce(t, op=hvd.Sum, name=f"slamb_comm.averaged_state_dict.{next(names)}",
+                             process_set=process_set)
+
+    def gather(t):
+        return hvd.allgather(t.view(1, -1), name="slamb_comm.averaged_state_dict.layout", process_set=process_set)
+
+    return mean_of_replicas(state, ReplicaGroup(int(process_set.size()), reduce, gather))
 
 
 _EXIT_HOOK = []

@@ -22,19 +22,45 @@ every rank's own model, optimizer and hook state (``slamb_rank<r>.pt`` in the ch
 folder) and ``resume_from_checkpoint`` loads it, so the resumed run is the interrupted one.
 With Accelerate, :func:`save_rank_state` / :func:`load_rank_state` do the same beside
 ``accelerator.save_state``. docs/integrations.md says what works and what resume means.
+
+The saved model is the mean of the ranks' replicas (SLAMB's differ between its periodic syncs):
+``SlambTrainer.save_model`` and its checkpoints' weights, and, after :func:`install`,
+Accelerate's ``get_state_dict`` / ``save_model`` / ``save_state`` weights, through
+:func:`slamb_comm.adapters.torch.averaged_state_dict`. The live model and the per-rank files
+keep each rank's own parameters, so a resume is still the interrupted run.
+
+Bytes: ``SlambTrainer`` adds ``slamb/payload_bytes``, ``slamb/wire_bytes``, ``slamb/of_dense``
+and ``slamb/wire_of_dense`` to its logs (log history, TensorBoard, W&B, ...) and keeps the last
+step's :class:`slamb_comm.Traffic` in ``trainer.last_traffic``; an Accelerate loop logs
+:func:`step_metrics` with ``accelerator.log``.
 """
 
+import logging
 import os
+import weakref
+from dataclasses import dataclass
 
+import accelerate
 import torch
 import transformers
 
 from slamb_comm.codecs import TopK
+from slamb_comm.stats import Traffic
 
-from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SAdamW, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch.averaging import averaged_state_dict, traffic_metrics
 from .torch.rank_files import resume_state
 
-__all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state"]
+__all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state", "step_metrics"]
+
+_log = logging.getLogger("slamb_comm")
+
+# benchmarks/lr_table.py (docs/integrations.md section 9): SLAMB and dense LAMB trained within a few
+# percent of their best from 0.003 (the example LM; 0.01 on the tiny GPT-2) up, best at 0.01 on both
+# models, where AdamW was best at 0.001-0.003. Below the floor SlambTrainer warns that the lr looks
+# like AdamW's and names the start.
+LAMB_LR_FLOOR = 3e-3
+LAMB_LR_START = 1e-2
 
 
 def _ddp_of(model):
@@ -80,9 +106,14 @@ def install(model, optimizer=None, compression=None, grad_scaler=None):
             (``accelerator.scaler``), so the error buffers stay in unscaled units.
 
     Returns the hook state (:class:`SlambHookState` or :class:`TopKHookState`; ``state.calls``
-    counts the buckets DDP handed the hook), or None in a single process, where Accelerate
-    does not wrap the model and a bare SLAMB steps alone (P = 1). Call it before the first
-    backward pass, once per DDP model.
+    counts the buckets DDP handed the hook; :func:`step_metrics` reads its bytes), or None in a
+    single process, where Accelerate does not wrap the model and a bare SLAMB steps alone (P = 1).
+    Call it before the first backward pass, once per DDP model.
+
+    Under SLAMB, Accelerate's ``get_state_dict(model)`` -- and so ``save_model`` and the weights
+    of ``save_state`` -- then returns the mean of the ranks' replicas of this model
+    (:func:`slamb_comm.adapters.torch.averaged_state_dict`), an allreduce: call them on every
+    rank, as Accelerate asks under FSDP and DeepSpeed. The live model is not touched.
     """
     ddp = _ddp_of(model)
     if ddp is None:
@@ -120,7 +151,68 @@ def install(model, optimizer=None, compression=None, grad_scaler=None):
                             "accelerator.prepare returned (or DistributedOptimizer(SLAMB(...)) yourself)")
         _swap(optimizer, dist)
     ddp.register_comm_hook(SlambHookState(dist), slamb_hook)
+    _average_saved_weights(ddp)
     return dist._slamb_hook_state
+
+
+def step_metrics(hook_state):
+    """The bytes of the optimizer steps since the last call, as logger metrics: in an Accelerate
+    loop, once per step after ``optimizer.step()``::
+
+        accelerator.log(slamb_comm.adapters.huggingface.step_metrics(state), step=step)
+
+    where ``state`` is what :func:`install` returned. ``slamb/payload_bytes`` and
+    ``slamb/wire_bytes`` are what this rank handed to the collectives and put on its link,
+    ``slamb/of_dense`` and ``slamb/wire_of_dense`` their ratios to a dense allreduce of the
+    gradients (:func:`slamb_comm.adapters.torch.traffic_metrics`, docs/algorithm.md section 4).
+    ``{}`` when ``hook_state`` is None (one process: nothing is exchanged)."""
+    source = _traffic_source(hook_state)
+    return {} if source is None else traffic_metrics(source.step_traffic())
+
+
+def _traffic_source(hook_state):
+    """What counts a step's bytes: the top-k hook state itself, or the SLAMB optimizer a
+    :class:`SlambHookState` is bound to (None for no state, or an unbound one)."""
+    if isinstance(hook_state, TopKHookState):
+        return hook_state
+    return getattr(hook_state, "optimizer", None)
+
+
+# ----------------------------------------------------------------------------- the saved model under Accelerate
+_AVERAGED = weakref.WeakKeyDictionary()  # a DDP model install() put SLAMB on, and its .module -> DDP's group
+
+
+def _average_saved_weights(ddp):
+    """From now on Accelerate's ``get_state_dict`` of ``ddp`` (or of its unwrapped module) is the
+    mean of the replicas over DDP's process group."""
+    _AVERAGED[ddp] = _AVERAGED[ddp.module] = ddp.process_group
+    _wrap_get_state_dict()
+
+
+def _wrap_get_state_dict():
+    """Once per process: ``accelerate.Accelerator.get_state_dict`` averages the models in
+    ``_AVERAGED`` and returns every other model's state as before.
+
+    Why a wrapper: Accelerate has no hook on the weights it saves (``register_save_state_pre_hook``
+    covers ``save_state`` only, not ``save_model``), and ``save_model`` and ``save_state`` both
+    read them through ``get_state_dict``. It changes nothing for a model :func:`install` did not
+    put SLAMB on."""
+    original = accelerate.Accelerator.get_state_dict
+    if getattr(original, "slamb_comm_averages", False):
+        return
+
+    def get_state_dict(self, model, unwrap=True):
+        state = original(self, model, unwrap=unwrap)
+        ddp = _ddp_of(model)
+        for m in (model, ddp):
+            if m is not None and m in _AVERAGED:
+                return averaged_state_dict(state, group=_AVERAGED[m])
+        return state
+
+    get_state_dict.__doc__ = original.__doc__
+    get_state_dict.__wrapped__ = original
+    get_state_dict.slamb_comm_averages = True
+    accelerate.Accelerator.get_state_dict = get_state_dict
 
 
 # ----------------------------------------------------------------------------- per-rank state
@@ -182,6 +274,30 @@ class _Install(transformers.TrainerCallback):
         t.hook_state = install(t.model_wrapped, t.optimizer, compression=t.compression, grad_scaler=scaler)
 
 
+@dataclass
+class _Unlogged:
+    """The bytes of the optimizer steps since the Trainer's last log, and how many steps."""
+
+    traffic: Traffic
+    steps: int = 0
+
+
+class _StepTraffic(transformers.TrainerCallback):
+    """After every optimizer step (``on_step_end``, before the Trainer decides to log): that step's
+    bytes into ``trainer.last_traffic``, and added to what :meth:`SlambTrainer.log` logs next."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        source = _traffic_source(t.hook_state)
+        if source is None:
+            return
+        t.last_traffic = source.step_traffic()
+        t.unlogged_traffic = _Unlogged(t.unlogged_traffic.traffic + t.last_traffic, t.unlogged_traffic.steps + 1)
+
+
 class SlambTrainer(transformers.Trainer):
     """``transformers.Trainer`` training with SLAMB, or with top-k gradients, under DDP.
 
@@ -194,8 +310,23 @@ class SlambTrainer(transformers.Trainer):
             own optimizer (``args.optim``) instead of SLAMB.
         *args, **kwargs: as ``transformers.Trainer``.
 
-    After ``train()`` starts, ``hook_state`` is the hook's state (``calls``; a TopK state's
-    ``step_traffic()``). The Trainer's defaults work: ``max_grad_norm=1.0`` clips each rank's
+    After ``train()`` starts, ``hook_state`` is the hook's state (``calls``), and after each
+    optimizer step ``last_traffic`` is that step's :class:`slamb_comm.Traffic` (payload and wire
+    bytes against a dense allreduce). Every log of the Trainer after optimizer steps (log
+    history, TensorBoard, W&B, ...) carries ``slamb/payload_bytes``, ``slamb/wire_bytes`` (per
+    step, over the steps since the last log), ``slamb/of_dense`` and ``slamb/wire_of_dense``.
+
+    ``save_model()`` and the checkpoints write the mean of the ranks' replicas as the model
+    (:func:`slamb_comm.adapters.torch.averaged_state_dict`; SLAMB's replicas differ between its
+    periodic syncs), while each rank's own model and optimizer state go into its
+    ``slamb_rank<r>.pt``: ``save_model()`` is an allreduce under SLAMB, so call it on every
+    rank (as the Trainer's checkpoints do, and as FSDP and DeepSpeed require).
+
+    Learning rate: SLAMB's update is LAMB's, scaled by each layer's weight norm (the trust
+    ratio), so an lr tuned for AdamW is too small (docs/integrations.md section 9). Below
+    ``LAMB_LR_FLOOR`` a warning names the lr to start from; the lr is not changed.
+
+    The Trainer's defaults work: ``max_grad_norm=1.0`` clips each rank's
     local gradient under SLAMB (the mean of the top-k payloads under top-k),
     ``gradient_accumulation_steps`` uses DDP's ``no_sync`` (the hook sees the accumulated
     gradient at the last micro-batch), ``save_steps`` checkpoints carry every rank's own state
@@ -213,7 +344,11 @@ class SlambTrainer(transformers.Trainer):
         self.slamb = dict(slamb or {})
         self.compression = compression
         self.hook_state = None
+        self.last_traffic = None  # the last optimizer step's slamb_comm.Traffic
+        self.unlogged_traffic = _Unlogged(Traffic())
+        self._mean_state = None  # the mean of the replicas, while save_model runs
         self.add_callback(_Install(self))
+        self.add_callback(_StepTraffic(self))
 
     def create_optimizer(self, model=None):
         """The SLAMB optimizer (built from the arguments unless ``optimizers=`` gave one),
@@ -234,9 +369,31 @@ class SlambTrainer(transformers.Trainer):
                 raise TypeError(f"SlambTrainer trains SLAMB, but optimizers= gave {type(self.optimizer).__name__}: "
                                 "pass a slamb_comm.adapters.torch.SLAMB, or none (SLAMB from the arguments), or "
                                 "compression=slamb_comm.TopK(...) to keep your optimizer")
+            _warn_if_adamw_lr(self.optimizer)
             if _distributed() and not hasattr(self.optimizer, "_launch"):
                 self.optimizer = DistributedOptimizer(self.optimizer, named_parameters=model.named_parameters())
         return self.optimizer
+
+    def log(self, logs, *args, **kwargs):
+        """The Trainer's ``log``, with the bytes of the optimizer steps since the last log added
+        (``slamb/...``, per step: :func:`slamb_comm.adapters.torch.traffic_metrics`)."""
+        unlogged, self.unlogged_traffic = self.unlogged_traffic, _Unlogged(Traffic())
+        super().log({**logs, **traffic_metrics(unlogged.traffic, unlogged.steps)}, *args, **kwargs)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """The Trainer's ``save_model`` with the mean of the ranks' replicas as the weights (under
+        SLAMB, several processes: an allreduce, so every rank calls it). The live model and the
+        per-rank files keep each rank's own parameters."""
+        if self.compression is None and _distributed():
+            ddp = _ddp_of(self.model_wrapped)
+            self._mean_state = averaged_state_dict(self.model, group=getattr(ddp, "process_group", None))
+        try:
+            super().save_model(output_dir, _internal_call=_internal_call)
+        finally:
+            self._mean_state = None
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict=self._mean_state if state_dict is None else state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         super()._save_optimizer_and_scheduler(output_dir)
@@ -246,3 +403,21 @@ class SlambTrainer(transformers.Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             load_rank_state(checkpoint, self.model, self.optimizer, self.hook_state)
+
+
+_WARNED_LR = []  # once per process
+
+
+def _warn_if_adamw_lr(optimizer):
+    """Log once (rank 0) when a SLAMB's lr is below :data:`LAMB_LR_FLOOR`: an AdamW learning rate
+    that LAMB's trust ratio turns into tiny steps. SAdamW (AdamW's update) is left alone."""
+    if _WARNED_LR or isinstance(optimizer, SAdamW):
+        return
+    lr = max(g.get("initial_lr", g["lr"]) for g in optimizer.param_groups)  # before any warm-up schedule
+    if lr >= LAMB_LR_FLOOR or (_distributed() and torch.distributed.get_rank() != 0):
+        return
+    _WARNED_LR.append(lr)
+    _log.warning("slamb_comm: SlambTrainer's learning rate %g looks like an AdamW one: SLAMB steps each layer by "
+                 "lr x its weight norm (LAMB's trust ratio), so it trains far more slowly at an AdamW lr. Start from "
+                 "learning_rate=%g, 3-10x an AdamW lr (benchmarks/lr_table.py, docs/integrations.md section 9). "
+                 "The lr is used as given.", lr, LAMB_LR_START)

@@ -22,6 +22,18 @@ ranks, every rank reads every old rank's file and resumes from the state docs/al
 section 10 makes of them (moments, error buffers and parameters averaged). Without those files
 (a checkpoint from another strategy) every rank resumes from rank 0's state and a warning says
 so: a valid run, not the interrupted one (docs/algorithm.md section 8).
+
+The model in Lightning's checkpoint (its ``state_dict``, what ``load_from_checkpoint`` gives a
+user to evaluate or ship) is the mean of the ranks' replicas, computed in float64 when the
+checkpoint is saved (:func:`slamb_comm.adapters.torch.averaged_state_dict`): between SLAMB's
+periodic syncs the replicas differ, and rank 0's alone is one replica, not the model the run
+trained. The live model and the per-rank files keep each rank's own parameters, so a resume is
+still the interrupted run.
+
+Bytes: at every optimizer step the strategy reads the step's :class:`slamb_comm.Traffic` into
+``strategy.last_traffic`` and logs it through the LightningModule's ``log`` (so to every logger
+of the Trainer: TensorBoard, CSV, W&B) as ``slamb/payload_bytes``, ``slamb/wire_bytes``,
+``slamb/of_dense`` and ``slamb/wire_of_dense`` (:func:`slamb_comm.adapters.torch.traffic_metrics`).
 """
 
 import os
@@ -29,10 +41,12 @@ import os
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch.averaging import averaged_state_dict, traffic_metrics
 from .torch.rank_files import resume_state
 
 __all__ = ["SlambDDPStrategy", "rank_state_path"]
@@ -58,8 +72,13 @@ class SlambDDPStrategy(DDPStrategy):
             strategy sets.
 
     After ``fit`` starts, ``hook_state`` is the :class:`SlambHookState` or :class:`TopKHookState`
-    (``hook_state.calls`` counts the buckets DDP handed the hook; a TopK state's
-    ``step_traffic()`` gives the bytes). What works, and how (each tested at 2 ranks on gloo):
+    (``hook_state.calls`` counts the buckets DDP handed the hook), and after each optimizer step
+    ``last_traffic`` is that step's :class:`slamb_comm.Traffic` (payload and wire bytes against a
+    dense allreduce), also logged as ``slamb/payload_bytes``, ``slamb/wire_bytes``,
+    ``slamb/of_dense`` and ``slamb/wire_of_dense`` (the strategy reads the optimizer's or hook
+    state's ``step_traffic()`` at every step: read ``last_traffic`` instead). Checkpoints hold the
+    mean of the ranks' models (the module's docstring). What works, and how (each tested at 2
+    ranks on gloo):
     ``precision='bf16-mixed'``; ``'16-mixed'`` with Lightning's GradScaler (handed to the top-k
     state; on CPU Lightning maps ``precision='16-mixed'`` to bf16, ``plugins=[MixedPrecision(
     '16-mixed', 'cpu')]`` keeps fp16); ``gradient_clip_val`` (under SLAMB it clips each
@@ -80,6 +99,7 @@ class SlambDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.compression = compression
         self.hook_state = None
+        self.last_traffic = None  # the last optimizer step's slamb_comm.Traffic
         self._rank_state = None  # this rank's hook state from the checkpoint, until the state exists
         self._rank_model = None  # and its parameters, put back after DDP broadcast rank 0's
 
@@ -135,10 +155,36 @@ class SlambDDPStrategy(DDPStrategy):
                     config.scheduler.optimizer = dist
                     _mark_step_tracked(dist)
 
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """The step (as ``DDPStrategy``), then its bytes: ``last_traffic`` and the module's log."""
+        out = super().optimizer_step(optimizer, closure, model=model, **kwargs)
+        self._record_traffic()
+        return out
+
+    def _record_traffic(self):
+        """Read the bytes exchanged since the last optimizer step (SLAMB's optimizer or the top-k
+        hook state) into ``last_traffic`` and log them on every logger of the Trainer, at this step.
+        Nothing is recorded for a step that exchanged nothing (a second optimizer under top-k,
+        whose buckets the first one's read already counted)."""
+        state = self.hook_state
+        source = state if isinstance(state, TopKHookState) else getattr(state, "optimizer", None)
+        if source is None:
+            return
+        traffic = source.step_traffic()
+        if traffic.calls == 0:
+            return
+        self.last_traffic = traffic
+        try:
+            self.lightning_module.log_dict(traffic_metrics(traffic), on_step=True, on_epoch=False, batch_size=1)
+        except MisconfigurationException:  # a step outside the Trainer's logging hooks: last_traffic only
+            pass
+
     # ------------------------------------------------------------------ per-rank checkpoints
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
         """Every rank writes its own model, optimizer and hook state beside the checkpoint
-        (atomically); then rank 0 writes Lightning's checkpoint, as ``DDPStrategy`` does."""
+        (atomically); then rank 0 writes Lightning's checkpoint, as ``DDPStrategy`` does, with
+        the mean of the ranks' models as its ``state_dict`` (an allreduce: every rank calls
+        this, as Lightning's ``Trainer.save_checkpoint`` does)."""
         own = {"world_size": self.world_size, "rank": self.global_rank, "state_dict": checkpoint.get("state_dict"),
                "optimizer_states": checkpoint.get("optimizer_states"),
                "hook_state": self.hook_state.state_dict() if isinstance(self.hook_state, TopKHookState) else None}
@@ -147,6 +193,9 @@ class SlambDDPStrategy(DDPStrategy):
         tmp = f"{path}.tmp"
         torch.save(own, tmp)
         os.replace(tmp, path)
+        if checkpoint.get("state_dict") is not None:  # the model to evaluate or ship: the mean of the replicas
+            group = getattr(self.model, "process_group", None)
+            checkpoint = {**checkpoint, "state_dict": averaged_state_dict(checkpoint["state_dict"], group=group)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath):

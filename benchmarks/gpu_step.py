@@ -5,7 +5,10 @@ The strict CuPy double (tests/strict_cupy.py) counts the GPU path's device opera
 CPU; this runs the same steps on a CUDA device and lets the device say what happened.
 ``torch.profiler`` (CUPTI) records every kernel launched in the process, CuPy's included, and
 every memcpy: per step, the kernels, the host-to-device and the device-to-host copies. Time is
-the median of ``--reps`` steps, each timed with CUDA events, arms interleaved.
+the median of ``--reps`` steps, each timed with CUDA events, arms interleaved. Memory: the
+device memory the optimizer holds beyond the parameters and gradients, per parameter, kept
+between steps and at the peak of a step (``torch.cuda`` allocator statistics; CuPy allocates
+through its own pool, so the core's arrays are counted through ``cupy.get_default_memory_pool``).
 
 Arms, on the same parameters (``--elements`` float32 elements cut into N equal tensors) and
 gradients:
@@ -49,6 +52,38 @@ def make(arm, params):
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     vd = "float16" if arm == "slamb-fp16" else "float32"
     return SLAMB(params, lr=1e-3, ratio=0.1, value_dtype=vd, beta3=0.9, sync_interval=100, seed=0)
+
+
+def used():
+    """Device bytes in use by torch's allocator and CuPy's pool."""
+    import torch
+
+    try:
+        import cupy
+
+        pool = cupy.get_default_memory_pool().used_bytes()
+    except ImportError:
+        pool = 0
+    return torch.cuda.memory_allocated() + pool
+
+
+def memory(arm, params, grads, steps=3):
+    """(kept, peak) device bytes per parameter of ``arm``'s optimizer beyond params and grads."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = used()
+    opt = make(arm, params)
+    torch.cuda.reset_peak_memory_stats()
+    peak = 0
+    for _ in range(steps):
+        for q, g in zip(params, grads):
+            q.grad = g
+        opt.step()
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() + used())
+    n = sum(q.numel() for q in params)
+    return opt, (used() - base) / n, (peak - base) / n
 
 
 def profile(opt, params, grads, steps):
@@ -97,17 +132,12 @@ def main(argv=None):
         setups = {}
         for arm in arms:
             params, grads = build(n, args.elements, "cuda")
-            opt = make(arm, params)
-            for _ in range(3):  # warm-up: state, caches, the first mask cycle's copies
-                for q, g in zip(params, grads):
-                    q.grad = g
-                opt.step()
-            torch.cuda.synchronize()
-            setups[arm] = (opt, params, grads, profile(opt, params, grads, 5))
+            opt, kept, peak = memory(arm, params, grads)  # and the warm-up: state, compiled kernels, tables
+            setups[arm] = (opt, params, grads, profile(opt, params, grads, 5), kept, peak)
         times = {arm: [] for arm in arms}
         for _ in range(args.reps):  # interleaved
             for arm in arms:
-                opt, params, grads, _ = setups[arm]
+                opt, params, grads = setups[arm][:3]
                 for q, g in zip(params, grads):
                     q.grad = g
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -118,16 +148,18 @@ def main(argv=None):
                 times[arm].append(a.elapsed_time(b))
         base = statistics.median(times[arms[0]])
         for arm in arms:
-            k, h, d = setups[arm][3]
+            (k, h, d), kept, peak = setups[arm][3:]
             med = statistics.median(times[arm])
             ratios = sorted(t / s for t, s in zip(times[arm], times[arms[0]]))
             rows.append({"tensors": n, "elements": args.elements, "arm": arm, "kernels_per_step": k,
                          "htod_per_step": h, "dtoh_per_step": d, "step_ms_median": med,
                          "vs_first_arm": med / base, "ratio_p25": ratios[len(ratios) // 4],
-                         "ratio_p75": ratios[3 * len(ratios) // 4],
+                         "ratio_p75": ratios[3 * len(ratios) // 4], "kept_bytes_per_param": kept,
+                         "peak_bytes_per_param": peak,
                          "device": torch.cuda.get_device_name(), "torch": torch.__version__})
             print(f"{n:5d} tensors  {arm:12s} kernels {k:8.1f}  HtoD {h:5.1f}  DtoH {d:5.1f}  "
-                  f"step {med:8.3f} ms  x{med / base:.2f} of {arms[0]}", flush=True)
+                  f"step {med:8.3f} ms  x{med / base:.2f} of {arms[0]}  memory {kept:.1f} kept, {peak:.1f} peak "
+                  "bytes/param", flush=True)
         del setups
         torch.cuda.empty_cache()
     if args.out:

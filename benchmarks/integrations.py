@@ -43,14 +43,11 @@ def mlp():
                                torch.nn.GELU(), torch.nn.Linear(1024, 256))
 
 
-def traffic_of(hook_state, optimizer):
-    from slamb_comm.adapters import torch as st
-
-    if isinstance(hook_state, st.TopKHookState):
-        return hook_state.step_traffic()
-    if hook_state is not None:
-        return optimizer.step_traffic()
-    return None
+def traffic_of(owner):
+    """The last optimizer step's bytes as slamb_comm's adapters record them (``last_traffic`` of
+    ``SlambDDPStrategy`` / ``SlambTrainer``, which read ``step_traffic()`` at every step), or None
+    for the stock strategy and Trainer (the dense arm)."""
+    return getattr(owner, "last_traffic", None)
 
 
 def run_lightning(arm, args, rank):
@@ -81,8 +78,7 @@ def run_lightning(arm, args, rank):
     class Clock(L.Callback):
         def on_train_batch_end(self, *a):
             times.append(time.perf_counter())
-            hs = getattr(strat, "hook_state", None)
-            traffic.append(traffic_of(hs, strat.optimizers[0] if hs is not None else None))
+            traffic.append(traffic_of(strat))
 
     g = torch.Generator().manual_seed(rank)
     n = (args.steps + 1) * 64
@@ -126,8 +122,7 @@ def run_trainer(arm, args, rank):
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter())
-            hs = getattr(trainer, "hook_state", None)
-            traffic.append(traffic_of(hs, trainer.optimizer.optimizer if hs is not None else None))
+            traffic.append(traffic_of(trainer))
 
     trainer.add_callback(Clock())
     trainer.train()

@@ -1,15 +1,19 @@
 """python3 benchmarks/launches.py --out benchmarks/results/launches.csv
 
-Device operations (would-be kernel launches), host-to-device copies and host reads per step
-of slamb_comm's GPU path, counted on the CPU by the strict CuPy double (tests/strict_cupy.py).
+What one step of slamb_comm's GPU path costs on the device, counted on the CPU by the strict
+CuPy double (tests/strict_cupy.py): device operations (kernel launches), device-memory bytes read
+and written, host-to-device copies, host reads, and device memory held beyond the parameters and
+gradients (kept between steps and at the peak of the step).
 
-    python3 benchmarks/launches.py --out benchmarks/results/launches.csv   # ~2 minutes on 2 cores
+    python3 benchmarks/launches.py --out benchmarks/results/launches.csv   # ~5 minutes on 2 cores
     python3 benchmarks/launches.py --scale 0.01 --what slamb                # quick: 65,536 elements
 
 The double is installed as ``cupy``, so the core takes exactly the code paths it takes on a
-GPU, and every call the double counts is one that CuPy would launch (its docstring defines
-what counts as a launch, as a host-to-device copy and as a host read, and what cannot be
-seen: fusion, and the several kernels some single CuPy calls launch). Nothing here is timed.
+GPU. Its docstring defines how each operation is charged: one launch per call of anything that
+would launch a kernel (several where CuPy really runs several: CUB's sorts and scans,
+``add.reduceat``), the bytes each operation reads and writes in device memory at its real cost,
+and the transient buffers it allocates; the device kernels of ``slamb_comm/kernels.py`` run
+(compiled for the host) as one launch each with the bytes they declare. Nothing is timed.
 
 Layouts: 6,553,600 float32 elements (``--scale`` multiplies this) in 10 tensors of 655,360,
 100 of 65,536, and 1,000 of 6,553 (the remainder, 600 elements, in the last one); 2-D shapes
@@ -23,40 +27,34 @@ first step's one-time work are not counted):
 * ``slamb``: one :meth:`slamb_comm.slamb.Slamb.step` (ratio 0.1, cyclic mask, lr 1e-3, weight
   decay 0.01, payload ``--dtypes``), with the default ``sync_interval`` (100: a step without
   the periodic parameter sync) and with ``sync_interval=1`` (every step a sync step), on one
-  fused buffer (``fused``: the whole-buffer step of ``slamb_comm/fused.py``, a device's default;
-  its ``cupy.fuse``d functions count one launch each) and on one array per tensor (``list``:
-  the tensor-by-tensor step);
+  fused buffer (``fused``) and on one array per tensor (``list``); and on a fused buffer in the
+  mask's first cycle (``first cycle``: the fourth step) and right after a ratio change
+  (``ratio change``: 0.1 to 0.2 after 21 steps, the second step after it);
 * ``topk``: one :meth:`Communicator.sparse_allgather` (top-k, ratio 0.01, error feedback);
-* ``onebit``: one :meth:`Communicator.onebit_allreduce` (signs and scales; on the double the
-  signs are packed by the core's arithmetic fallback, as the double has no ``packbits``,
-  where CuPy's ``packbits``/``unpackbits`` are one launch each).
+* ``onebit``: one :meth:`Communicator.onebit_allreduce` (signs and scales);
 * ``adapter``: one ``step()`` of the torch optimizer ``SLAMB`` (``--ranks`` 1 only) and of
   ``DistributedOptimizer(SLAMB)`` on a one-process gloo group, with ``fused=True`` (flat
   buffers, the default for CUDA parameters) and ``fused=False`` (tensor by tensor), gradients
-  set by hand. The parameters are CPU tensors, handed to the core as the double's arrays
-  sharing their memory (``strict_cupy.torch_bridge``); the count is the core's device operations
-  plus torch's operations (``strict_cupy.aten_counter``: each at most one kernel on a GPU, a
-  ``_foreach_*`` call one). The distributed step holds the end-of-backward agreement, the step's
-  decision and the exchange; torch's host reads and copies are counted among its operations.
+  set in place each step. The parameters are CPU tensors, handed to the core as the double's
+  arrays sharing their memory (``strict_cupy.torch_bridge``); the operations and bytes are the
+  core's plus torch's (``strict_cupy.aten_counter``: each at most one kernel on a GPU, a
+  ``_foreach_*`` call one). Memory counts the core's arrays only (torch's own allocations are
+  the model's).
 
 At ``--ranks`` 1 (:class:`slamb_comm.LocalTransport`) and 2. One rank does not average
-anything: ``Slamb.apply`` skips the periodic sync at P = 1, so a "sync step" is an ordinary
-step there. Two ranks are emulated in one process by a twin transport: the other rank sends
-exactly what this one does (every sum is twice this rank's values, exact; an allgather or
-all-to-all hands back this rank's block twice), and every collective on device buffers
-counts one launch (``collective.<name>``), as an NCCL call does; it reads nothing back.
-
-The counts do not depend on the sizes of the tensors, only on their number and on how each
-cuts into the mask's groups (a tensor whose ends are not aligned to the groups of C = 10 units
-has a head and a tail range, each a few operations more), so ``--scale`` changes them only
-through that alignment; the output says when a scale other than 1 was used.
+anything: the periodic sync is skipped at P = 1, so a "sync step" is an ordinary step there.
+Two ranks are emulated in one process by a twin transport: the other rank sends exactly what
+this one does (every sum is twice this rank's values, exact; an allgather or all-to-all hands
+back this rank's block twice), and every collective on device buffers counts one launch
+(``collective.<name>``) reading and writing its buffer, as an NCCL call does.
 
 Writes ``--out`` (CSV, ``benchmarks/csvout.py``: one row per measurement, with the operations
-by name) and prints markdown tables: the totals per step at 10 / 100 / 1,000 tensors with the
-operations each added tensor costs, and the dominant operations per tensor.
+by name) and prints markdown tables: per step at 10 / 100 / 1,000 tensors the operations, the
+bytes per parameter, the memory per parameter, copies and reads; and the dominant operations.
 """
 
 import argparse
+import gc
 import os
 import sys
 
@@ -74,8 +72,8 @@ from csvout import write_rows  # noqa: E402
 
 TOTAL = 6_553_600
 TENSORS = (10, 100, 1000)
-# issue 21's figures, counted on the code at d561354 (device operations per step)
-ISSUE = {("slamb", "step"): {10: 995, 100: 15185}, ("topk", "exchange"): {10: 212, 100: 2012}}
+# AdamW(fused=True)'s step reads p, g, m, v and writes p, m, v: 28 bytes per float32 parameter
+ADAMW_BYTES = 28
 
 
 def shapes_of(tensors, total):
@@ -91,8 +89,10 @@ def _raw(buf):
 
 
 def _collective(name, buf):
-    if isinstance(buf, strict_cupy.ndarray):
-        strict_cupy.launches[f"collective.{name}"] += 1  # one NCCL call: one launch
+    if isinstance(buf, strict_cupy.ndarray):  # one NCCL call: one launch, reading and writing its buffer
+        strict_cupy.launches[f"collective.{name}"] += 1
+        strict_cupy.bytes_read[f"collective.{name}"] += buf.nbytes
+        strict_cupy.bytes_written[f"collective.{name}"] += buf.nbytes
 
 
 class TwinTransport:
@@ -150,50 +150,70 @@ class Data:
         return out
 
 
-def counted(fn):
+class Cost:
+    """One measured call: the double's counts (``c``) and the memory held beyond the inputs."""
+
+    def __init__(self, c, n, base):
+        self.c, self.n = c, n
+        self.kept = (strict_cupy.memory() - base) / n
+        self.peak = (strict_cupy.peak() - base) / n
+
+
+def counted(fn, n, base):
+    gc.collect()  # an object of an earlier job must not be freed inside the measurement
+    strict_cupy.reset_peak()
     with strict_cupy.counting() as c:
         fn()
-    return c
+    return Cost(c, n, base)
 
 
-def run_slamb(data, vdt, ranks, H, warmup, dense_threshold, form="fused"):
-    """``form``: 'fused' (one fused buffer: the whole-buffer step, slamb_comm/fused.py) or 'list'
-    (one array per tensor: the tensor-by-tensor step)."""
+def run_slamb(data, vdt, ranks, H, warmup, dense_threshold, form="fused", when="settled"):
+    """``form``: 'fused' (one fused buffer) or 'list' (one array per tensor); ``when``: 'settled'
+    (after the mask's first cycle), 'first cycle' (the fourth step), 'ratio change' (the second
+    step after a change of the ratio from 0.1 to 0.2)."""
     import slamb_comm as sc
     from slamb_comm.slamb import Slamb
 
     cp = sys.modules["cupy"]
-    dev = (lambda s=1.0: cp.asarray(data.flat * np.float32(s))) if form == "fused" else data.device
-    x = dev()
+    gc.collect()
+    x, g = cp.asarray(data.flat), cp.asarray(data.flat * np.float32(0.25))
     lay = sc.Layout(data.shapes, dense_threshold=dense_threshold)
+    xs, gs = (x, g) if form == "fused" else (lay.views(x), lay.views(g))
+    base = strict_cupy.memory()
     comm = sc.Communicator(transport(ranks), lay, ratio=0.1, mask="cyclic", value_dtype=vdt, seed=1)
     opt = Slamb(comm, lr=1e-3, weight_decay=0.01, sync_interval=H)
-    for t in range(max(warmup, 21) if form == "fused" else warmup):
-        opt.step(x, dev(0.5 + t))
-    g = dev(0.25)
-    return counted(lambda: opt.step(x, g))
+    for t in range({"settled": max(warmup, 21), "first cycle": 3, "ratio change": 21}[when]):
+        opt.step(xs, gs)
+    if when == "ratio change":
+        opt.set_ratio(0.2)
+        opt.step(xs, gs)
+    return counted(lambda: opt.step(xs, gs), lay.total, base)
 
 
 def run_topk(data, vdt, ranks, warmup, dense_threshold):
     import slamb_comm as sc
 
-    comm = sc.Communicator(transport(ranks), data.device(), ratio=0.01, value_dtype=vdt, seed=1,
+    gc.collect()
+    gs = [data.device(0.5 + t) for t in range(warmup)] + [data.device(0.25)]
+    base = strict_cupy.memory()
+    comm = sc.Communicator(transport(ranks), gs[0], ratio=0.01, value_dtype=vdt, seed=1,
                            dense_threshold=dense_threshold)
-    for t in range(warmup):
-        comm.sparse_allgather(data.device(0.5 + t))
-    g = data.device(0.25)
-    return counted(lambda: comm.sparse_allgather(g))
+    for g in gs[:-1]:
+        comm.sparse_allgather(g)
+    return counted(lambda: comm.sparse_allgather(gs[-1]), comm.layout.total, base)
 
 
 def run_onebit(data, vdt, ranks, warmup, dense_threshold):
     import slamb_comm as sc
 
-    comm = sc.Communicator(transport(ranks), data.device(), ratio=0.1, value_dtype=vdt, seed=1,
+    gc.collect()
+    gs = [data.device(0.5 + t) for t in range(warmup)] + [data.device(0.25)]
+    base = strict_cupy.memory()
+    comm = sc.Communicator(transport(ranks), gs[0], ratio=0.1, value_dtype=vdt, seed=1,
                            dense_threshold=dense_threshold)
-    for t in range(warmup):
-        comm.onebit_allreduce(data.device(0.5 + t))
-    g = data.device(0.25)
-    return counted(lambda: comm.onebit_allreduce(g))
+    for g in gs[:-1]:
+        comm.onebit_allreduce(g)
+    return counted(lambda: comm.onebit_allreduce(gs[-1]), comm.layout.total, base)
 
 
 def run_adapter(data, vdt, ranks, warmup, dense_threshold, form="fused", distributed=False):
@@ -209,55 +229,74 @@ def run_adapter(data, vdt, ranks, warmup, dense_threshold, form="fused", distrib
                 fused=form == "fused")
     if distributed:
         opt = DistributedOptimizer(opt, named_parameters=[(f"p{i}", p) for i, p in enumerate(ps)])
+    gc.collect()
+    base = strict_cupy.memory()
     for t in range(max(warmup, 21) + 1):
         for p in ps:
-            p.grad = torch.full_like(p, 1e-3 * (t + 1))
+            if p.grad is None:
+                p.grad = torch.full_like(p, 1e-3 * (t + 1))
+            else:  # in place, as backward() accumulates into .grad (their addresses stay)
+                p.grad.fill_(1e-3 * (t + 1))
         aten = strict_cupy.aten_counter()
+        strict_cupy.reset_peak()
         with strict_cupy.counting() as c, aten:
             opt.step()
     c.launches += aten.n
+    c.bytes += aten.read + aten.written
     c.by_op.update({f"torch.{k}": v for k, v in aten.by_op.items()})
-    return c
+    c.by_op_bytes.update({f"torch.{k}": v for k, v in aten.by_op_bytes.items()})
+    return Cost(c, data.flat.size, base)
 
 
 def _fmt_ops(counter, per=1, top=8):
     return "; ".join(f"{k} {v / per:.3g}" for k, v in counter.most_common(top))
 
 
+NAMES = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce", "adapter": "torch adapter"}
+
+
+def jobs_of(args, data):
+    """The measurements of one layout: (what, payload, ranks, step, function, keywords)."""
+    jobs = []
+    for vdt in args.dtypes:
+        for ranks in args.ranks:
+            opts = dict(data=data, vdt=vdt, ranks=ranks, warmup=args.warmup, dense_threshold=args.dense_threshold)
+            if "slamb" in args.what:
+                for form in args.forms:
+                    jobs.append(("slamb", vdt, ranks, f"step, {form}", run_slamb, dict(opts, H=100, form=form)))
+                    jobs.append(("slamb", vdt, ranks, f"sync step, {form}", run_slamb, dict(opts, H=1, form=form)))
+                for when in ("first cycle", "ratio change"):
+                    jobs.append(("slamb", vdt, ranks, f"step, fused, {when}", run_slamb, dict(opts, H=100, when=when)))
+            if "topk" in args.what:
+                jobs.append(("topk", vdt, ranks, "exchange", run_topk, opts))
+            if "onebit" in args.what:
+                jobs.append(("onebit", vdt, ranks, "exchange", run_onebit, opts))
+            for form in args.forms if "adapter" in args.what and ranks == 1 else ():
+                jobs.append(("adapter", vdt, ranks, f"SLAMB.step, {form}", run_adapter, dict(opts, form=form)))
+                jobs.append(("adapter", vdt, ranks, f"DistributedOptimizer.step, {form}", run_adapter,
+                             dict(opts, form=form, distributed=True)))
+    return jobs
+
+
 def measure(args):
     rows = []
     total = round(TOTAL * args.scale)
     for tensors in args.tensors:
-        shapes = shapes_of(tensors, total)
-        data = Data(shapes)
-        jobs = []
-        for vdt in args.dtypes:
-            for ranks in args.ranks:
-                opts = dict(data=data, vdt=vdt, ranks=ranks, warmup=args.warmup, dense_threshold=args.dense_threshold)
-                for form in args.forms if "slamb" in args.what else ():
-                    jobs.append(("slamb", vdt, ranks, f"step, {form}", run_slamb, dict(opts, H=100, form=form)))
-                    jobs.append(("slamb", vdt, ranks, f"sync step, {form}", run_slamb, dict(opts, H=1, form=form)))
-                if "topk" in args.what:
-                    jobs.append(("topk", vdt, ranks, "exchange", run_topk, opts))
-                if "onebit" in args.what:
-                    jobs.append(("onebit", vdt, ranks, "exchange", run_onebit, opts))
-                for form in args.forms if "adapter" in args.what and ranks == 1 else ():
-                    jobs.append(("adapter", vdt, ranks, f"SLAMB.step, {form}", run_adapter, dict(opts, form=form)))
-                    jobs.append(("adapter", vdt, ranks, f"DistributedOptimizer.step, {form}", run_adapter,
-                                 dict(opts, form=form, distributed=True)))
-        for what, vdt, ranks, kind, job, kw in jobs:
-            c = job(**kw)
+        data = Data(shapes_of(tensors, total))
+        for what, vdt, ranks, kind, job, kw in jobs_of(args, data):
+            cost = job(**kw)
+            c = cost.c
             rows.append({
                 "what": what, "payload": vdt, "ranks": ranks, "step": kind, "tensors": tensors,
                 "elements": total, "scale": args.scale, "dense_threshold": args.dense_threshold,
-                "measured_call": (max(args.warmup, 21) if kw.get("form") == "fused" or what == "adapter"
-                                  else args.warmup) + 1,
-                "launches": c.launches, "h2d": c.h2d, "host_reads": c.syncs,
-                "launches_per_tensor": round(c.launches / tensors, 2), "h2d_per_tensor": round(c.h2d / tensors, 3),
-                "ops": _fmt_ops(c.by_op, top=100), "h2d_kinds": _fmt_ops(c.by_h2d), "read_kinds": _fmt_ops(c.by_sync),
-                "_by_op": c.by_op,
+                "launches": c.launches, "bytes_per_param": round(c.bytes / cost.n, 2),
+                "kept_bytes_per_param": round(cost.kept, 2), "peak_bytes_per_param": round(cost.peak, 2),
+                "h2d": c.h2d, "host_reads": c.syncs, "launches_per_tensor": round(c.launches / tensors, 2),
+                "ops": _fmt_ops(c.by_op, top=100), "bytes_by_op": _fmt_ops(c.by_op_bytes, per=cost.n, top=100),
+                "h2d_kinds": _fmt_ops(c.by_h2d), "read_kinds": _fmt_ops(c.by_sync), "_by_op": c.by_op,
             })
-            print(f"  {what} {vdt} P={ranks} {kind}, {tensors} tensors: {c.launches} launches, {c.h2d} h2d, "
+            print(f"  {what} {vdt} P={ranks} {kind}, {tensors} tensors: {c.launches} launches, "
+                  f"{c.bytes / cost.n:.1f} B/param, memory {cost.kept:.1f} kept / {cost.peak:.1f} peak, {c.h2d} h2d, "
                   f"{c.syncs} host reads", file=sys.stderr, flush=True)
     return rows
 
@@ -277,37 +316,32 @@ def markdown(rows, args):
     out = []
     if args.scale != 1.0:
         out.append(f"**Scaled run: {round(TOTAL * args.scale):,} elements in all (--scale {args.scale:g}), "
-                   f"not 6,553,600; the counts do not depend on the sizes, except through each tensor's "
-                   f"alignment to the mask's groups.**\n")
+                   f"not 6,553,600.**\n")
     out.append(f"Per step, {round(TOTAL * args.scale):,} float32 elements in {head} tensors "
-               f"(dense_threshold {args.dense_threshold}); the call after {args.warmup} warm-up call(s) "
-               f"(SLAMB on a fused buffer: after {max(args.warmup, 21)}, past the mask's first cycle).\n")
-    out.append(f"| exchange | payload | P | step | device operations ({head}) | per added tensor | "
-               f"host-to-device copies ({head}) | host reads ({head}) |")
-    out.append("|---|---|---|---|---|---|---|---|")
+               f"(dense_threshold {args.dense_threshold}). Bytes are device-memory bytes read + written per "
+               f"parameter (AdamW(fused=True): {ADAMW_BYTES}); memory is device bytes per parameter held beyond "
+               "the parameters and gradients, kept after the step and at its peak.\n")
+    out.append(f"| exchange | payload | P | step | device operations ({head}) | per added tensor | bytes / param "
+               f"({head}) | memory kept, peak ({head}) | host-to-device copies | host reads |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
     for (what, vdt, ranks, kind), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["tensors"])
         la = " / ".join(f"{r['launches']:,}" for r in rs)
+        by = " / ".join(f"{r['bytes_per_param']:.1f}" for r in rs)
+        me = " / ".join(f"{r['kept_bytes_per_param']:.1f}, {r['peak_bytes_per_param']:.1f}" for r in rs)
         hd = " / ".join(f"{r['h2d']:,}" for r in rs)
         rd = " / ".join(f"{r['host_reads']:,}" for r in rs)
         sl = _slope([(r["tensors"], r["launches"]) for r in rs])
-        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce",
-                "adapter": "torch adapter"}[what]
-        out.append(f"| {name} | {vdt} | {ranks} | {kind} | {la} | {sl:.1f} | {hd} | {rd} |")
+        out.append(f"| {NAMES[what]} | {vdt} | {ranks} | {kind} | {la} | {sl:.1f} | {by} | {me} | {hd} | {rd} |")
     out.append("")
-    issue = "; ".join(f"{w} {k}: " + " / ".join(f"{v:,}" for v in d.values()) + " at "
-                      + " / ".join(f"{t:,}" for t in d) + " tensors" for (w, k), d in ISSUE.items())
-    out.append(f"Issue 21's count on d561354 (device operations): {issue}.\n")
     big = tens[-1]
-    out.append(f"Dominant operations per tensor at {big:,} tensors (count / tensors; the double's names: "
-               f"`iadd` is `a += b`, `setitem(copy)` a slice assignment, `getitem(gather)` `a[idx]`, ...):\n")
-    out.append("| exchange | payload | P | step | operations per tensor |")
+    out.append(f"Device operations per step at {big:,} tensors (the double's names: `iadd` is `a += b`, "
+               "`setitem(copy)` a slice assignment, `getitem(gather)` `a[idx]`, `kernel(...)` a device kernel):\n")
+    out.append("| exchange | payload | P | step | operations |")
     out.append("|---|---|---|---|---|")
     for (what, vdt, ranks, kind), rs in groups.items():
         r = max(rs, key=lambda r: r["tensors"])
-        name = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce",
-                "adapter": "torch adapter"}[what]
-        out.append(f"| {name} | {vdt} | {ranks} | {kind} | {_fmt_ops(r['_by_op'], per=r['tensors'], top=10)} |")
+        out.append(f"| {NAMES[what]} | {vdt} | {ranks} | {kind} | {_fmt_ops(r['_by_op'], top=10)} |")
     return "\n".join(out)
 
 
@@ -321,8 +355,8 @@ def main(argv=None):
     ap.add_argument("--forms", default="fused,list",
                     help="SLAMB's input: fused (one buffer, the whole-buffer step) and/or list (per tensor)")
     ap.add_argument("--warmup", type=int, default=1,
-                    help="calls before the counted one (at least 21 for SLAMB on a fused buffer: past the "
-                         "mask's first cycle and one more, whose freshness rows are copied once)")
+                    help="calls before the counted one (SLAMB's settled steps: at least 21, past the mask's "
+                         "first cycle)")
     ap.add_argument("--dense-threshold", type=int, default=0, help="the communicator's dense_threshold")
     ap.add_argument("--out", default=None, help="CSV file (default: print only)")
     args = ap.parse_args(argv)

@@ -3,7 +3,9 @@
     bash scripts/mpirun.sh 4 900 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_recipes.py
 
 (also at 1 and 2 ranks). Paths: DDP with slamb_comm's hook (``slamb_hook``; ``topk_hook`` under a
-plain SGD), the plain torch.distributed ``DistributedOptimizer`` (gloo), and Horovod's. Optimizers:
+plain SGD), the plain torch.distributed ``DistributedOptimizer`` (gloo), and Horovod's; and SLAMB's
+GPU path on both torch paths (``ddp-device``: the device kernels, the exchange launched from DDP's
+hooks; ``plain-device``: from ``step()``), run through the strict CuPy double. Optimizers:
 SLAMB, top-k with error feedback, 1-bit LAMB. Recipes: AMP's ``GradScaler`` (with and without
 ``unscale_`` and ``clip_grad_norm_``, and Horovod's idiom), an inf on one rank, clipping after
 ``backward()``, ``step(closure)``, accumulation with ``no_sync()``, bf16 autocast.
@@ -17,6 +19,7 @@ after the test's last collective. No test asserts a timing.
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -32,6 +35,9 @@ from torch_reference import (  # noqa: E402
     topk_close, topk_counts,
 )
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import strict_cupy  # noqa: E402  (the device paths)
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 WORLD = MPI.COMM_WORLD
@@ -40,14 +46,16 @@ BAD = P - 1  # the rank whose input holds an inf
 INF = float("inf")
 KINDS = ["slamb", "topk", "onebit"]
 PATHS = ["ddp", "plain", "horovod"]
+DEVICE = ["ddp-device", "plain-device"]  # SLAMB's GPU path, on the strict double
+CASES = [(p, k) for p in PATHS for k in KINDS] + [(p, "slamb") for p in DEVICE]
 RATIO = 0.25
 
 
 # ----------------------------------------------------------------------------- process groups
-def inner_optimizer(kind, model):
+def inner_optimizer(kind, model, fused=None):
     if kind == "slamb":
         return st.SLAMB(model.parameters(), lr=0.02, ratio=RATIO, beta3=0.9, weight_decay=0.01, sync_interval=3,
-                        dense_threshold=THRESHOLD, seed=5)
+                        dense_threshold=THRESHOLD, seed=5, fused=fused)
     if kind == "onebit":
         return st.OneBitLAMB(model.parameters(), lr=0.01, freeze_step=2, eps=1e-4)
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -59,8 +67,12 @@ def build(request):
     computed with (the DDP module, or the model), ``opt`` what the user steps; ``amp``: the
     GradScaler, handed to the top-k exchange (its error buffers stay in unscaled units)."""
     def make(path, kind, seed=1, amp=None):
+        device = path in DEVICE
+        if device:  # SLAMB on flat buffers, its arrays the double's device arrays
+            request.getfixturevalue("device_arrays")
+            path = path.split("-")[0]
         model = make_model(seed)
-        inner = inner_optimizer(kind, model)
+        inner = inner_optimizer(kind, model, fused=True if device else None)
         named = model.named_parameters()
         topk = slamb_comm.TopK(RATIO)
         if path == "horovod":
@@ -83,6 +95,15 @@ def build(request):
         net.register_comm_hook(st.TopKHookState(model.named_parameters(), topk, grad_scaler=amp), st.topk_hook)
         return model, net, inner
     return make
+
+
+@pytest.fixture
+def device_arrays():
+    """The strict CuPy double stands for CuPy and torch's CPU tensors reach the core as its device
+    arrays (sharing their memory): SLAMB's GPU path runs on the CPU, for the test's duration."""
+    with strict_cupy.install(), strict_cupy.torch_bridge():
+        strict_cupy.Device.current = 0
+        yield
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -171,8 +192,7 @@ def clipped(grads, max_norm):
 
 
 # ============================================================================= GradScaler
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path,kind", CASES)
 def test_grad_scaler_gives_the_unscaled_run(build, path, kind):
     """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` with a power-of-two
     scale is bitwise the run without a scaler: every step uses the unscaled gradients."""
@@ -194,8 +214,7 @@ def test_grad_scaler_gives_the_unscaled_run(build, path, kind):
 
 # ============================================================================= an inf on one rank
 @pytest.mark.parametrize("recipe", ["step", "unscale", "idiom"])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path,kind", CASES)
 def test_inf_on_one_rank_every_rank_skips_alike(build, path, kind, recipe):
     """An inf in one rank's loss at step 2: every rank's scaler skips step 2 and halves its scale,
     nothing moves anywhere, and the run goes on to the end -- equal, bitwise, to the same recipe
@@ -233,12 +252,13 @@ def test_inf_on_one_rank_every_rank_skips_alike(build, path, kind, recipe):
 
 
 # ============================================================================= clipping after backward()
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + DEVICE)
 def test_slamb_clipping_after_backward_is_the_idiom_and_section_1(build, path):
     """``clip_grad_norm_`` between ``backward()`` and ``step()`` gives bitwise what Horovod's
     idiom (synchronize, clip, step under skip_synchronize) gives, and docs/algorithm.md section 1 on
-    each rank's clipped gradient; the momentum is exchanged once per step (the first step
-    twice: its hooks' exchange is redone, and later steps exchange from step())."""
+    each rank's clipped gradient; the momentum is exchanged once per step (where exchanges start
+    in hooks, the first such step twice: its hooks' exchange is redone, and later steps exchange
+    from step(); flat buffers without DDP exchange from step() from the start)."""
     model_a, net_a, opt_a = build(path, "slamb")
     model_b, net_b, opt_b = build(path, "slamb")
     ref = RefSlamb(flat_params(model_a), SHAPES, P, lr=0.02, wd=0.01, beta3=0.9, H=3)
@@ -263,9 +283,10 @@ def test_slamb_clipping_after_backward_is_the_idiom_and_section_1(build, path):
             failed.append(f"step {t}: {maxdiff(flat_params(model_a), flat_params(model_b)):.3g} from the idiom")
         if not close(flat_params(model_a), ref.x[ME]):
             failed.append(f"step {t}: {maxdiff(flat_params(model_a), ref.x[ME]):.3g} from section 1")
+    want = steps if path == "plain-device" else steps + 1  # flat buffers without DDP start none in hooks
     for name, opt in (("clip", opt_a), ("idiom", opt_b)):
-        if exchanges(opt) != steps + 1:
-            failed.append(f"{name}: {exchanges(opt)} exchanges in {steps} steps, want {steps + 1}")
+        if exchanges(opt) != want:
+            failed.append(f"{name}: {exchanges(opt)} exchanges in {steps} steps, want {want}")
     check(failed)
 
 
@@ -289,8 +310,7 @@ def test_topk_clipping_after_backward_exchanges_the_clipped_gradient(build, path
 
 
 # ============================================================================= step(closure)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path,kind", CASES)
 def test_step_with_a_closure_calls_it_first(build, path, kind):
     """``opt.step(closure)`` is ``closure(); opt.step()``, bitwise, and returns the closure's loss."""
     model_a, net_a, opt_a = build(path, kind)
@@ -315,10 +335,11 @@ def test_step_with_a_closure_calls_it_first(build, path, kind):
 
 
 # ============================================================================= accumulation, autocast
-def test_slamb_accumulation_with_no_sync_is_the_whole_batch(build):
+@pytest.mark.parametrize("path", ["ddp", "ddp-device"])
+def test_slamb_accumulation_with_no_sync_is_the_whole_batch(build, path):
     """Two half batches, the first under ``ddp.no_sync()``, equal one step on the whole batch."""
-    model_a, net_a, opt_a = build("ddp", "slamb")
-    model_b, net_b, opt_b = build("ddp", "slamb")
+    model_a, net_a, opt_a = build(path, "slamb")
+    model_b, net_b, opt_b = build(path, "slamb")
     failed = []
     for t in range(1, 5):
         g = torch.Generator().manual_seed(1009 * t + ME)

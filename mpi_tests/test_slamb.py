@@ -1,5 +1,8 @@
 """SLAMB on flat buffers over MPI, against the dense reference of docs/algorithm.md section 1."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -8,6 +11,9 @@ import slamb_comm as sc
 from slamb_comm.slamb import Slamb
 
 from slamb_reference import ReferenceSlamb
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
 
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250)]  # (30, 40) is below the dense threshold
 
@@ -25,18 +31,24 @@ def rank_grads(r, t, xs, dtype):
 
 def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True, block=1,
         schedule=None, fused=False):
-    """``fused``: step on one fused buffer with the whole-buffer path (slamb_comm.fused),
-    which a device takes by default, here on NumPy."""
+    """``fused``: step on one fused buffer of device arrays (the strict CuPy double), so that the
+    device kernels of slamb_comm.fused run, as on a GPU."""
+    if fused:
+        with strict_cupy.install() as cp:
+            strict_cupy.Device.current = 0
+            return _run(ratio, dtype, value_dtype, steps, H, beta3, wd, block, schedule, cp)
+    return _run(ratio, dtype, value_dtype, steps, H, beta3, wd, block, schedule, None)
+
+
+def _run(ratio, dtype, value_dtype, steps, H, beta3, wd, block, schedule, cp):
     comm_world = MPI.COMM_WORLD
     P, me = comm_world.size, comm_world.rank
     x = rank_params(me, dtype)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=ratio, mask="cyclic", seed=11, value_dtype=value_dtype,
                            block=block)
     opt = Slamb(comm, lr=0.02, weight_decay=wd, beta3=beta3, sync_interval=H)
-    if fused:
-        flat = np.concatenate([a.ravel() for a in x])
-        x = comm.layout.views(flat)
-        opt.fused = True
+    if cp is not None:
+        flat = cp.asarray(np.concatenate([a.ravel() for a in x]))
     ref = ReferenceSlamb([rank_params(r, dtype) for r in range(P)], comm.layout.offsets, lr=0.02,
                          wd=wd, beta3=beta3, H=H)
     worst = 0.0
@@ -44,8 +56,9 @@ def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=
         grads = [rank_grads(r, t, [a.astype(dtype) for a in ref.x[r]], dtype) for r in range(P)]
         if schedule and t in schedule:  # a ratio schedule: the new ratio from step t on
             opt.set_ratio(schedule[t])
-        if fused:
-            opt.step(flat, np.concatenate([g.ravel() for g in grads[me]]))
+        if cp is not None:
+            opt.step(flat, cp.asarray(np.concatenate([g.ravel() for g in grads[me]])))
+            x = comm.layout.views(flat.get())
         else:
             opt.step(x, [g.copy() for g in grads[me]])
         ref.step([[g.astype(np.float64) for g in gr] for gr in grads], comm.mask.select(t).index.astype(np.int64))
@@ -161,22 +174,40 @@ def test_ratio_changed_on_one_rank_raises_on_every_rank():
     assert opt.comm.ratio == 0.2 and opt.t == 2
 
 
+def _kernel_steps():
+    return sum(n for op, n in strict_cupy.launches.items() if op.startswith("kernel(slamb_update"))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("ratio", [0.1, 0.3, 1.0])
 def test_fused_step_matches_reference_fp64(ratio):
-    """The whole-buffer step (a device's default) against the dense float64 reference."""
+    """The device kernels (a GPU's default), run through the strict double, against the dense
+    float64 reference."""
+    strict_cupy.reset_counts()
     _, _, comm, opt, worst = run(ratio, np.float64, fused=True)
     assert worst < 1e-9, worst
     assert opt.t == 22 and comm.stats.by_kind["masked_allreduce"].calls == 22
-    assert opt._plans, "the fused path did not run"  # noqa: SLF001
+    assert _kernel_steps() == 22, "the device kernels did not take every step"
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("value_dtype,tol", [(None, 1e-5), ("float16", 1e-3)])
 def test_fused_step_matches_reference_fp32(value_dtype, tol):
+    strict_cupy.reset_counts()
     _, _, _, opt, worst = run(0.1, np.float32, value_dtype=value_dtype, steps=14, fused=True)
     assert worst < tol, worst
-    assert opt._plans, "the fused path did not run"  # noqa: SLF001
+    assert _kernel_steps() == 14, "the device kernels did not take every step"
+
+
+@pytest.mark.mpi
+def test_fused_ratio_schedule_matches_reference():
+    """The kernels derive the freshness through ratio changes within a cycle (up to three masks at
+    once in SCHEDULE), as the dense reference's f = b3 f; f[M_t] = 1 does."""
+    strict_cupy.reset_counts()
+    _, ref, _, opt, worst = run(0.5, np.float64, steps=34, H=7, schedule=SCHEDULE, fused=True)
+    assert worst < 1e-9, worst
+    assert _kernel_steps() == 34, "the device kernels did not take every step"
+    np.testing.assert_allclose(opt.freshness(), np.concatenate([f.ravel() for f in ref.f]), rtol=1e-12)
 
 
 @pytest.mark.mpi

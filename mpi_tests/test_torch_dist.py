@@ -11,7 +11,9 @@ and for the DDP communication hooks. No test asserts a timing.
 
 import copy
 import datetime
+import os
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -26,7 +28,30 @@ from torch_reference import (  # noqa: E402
     set_flat, topk_close, topk_counts,
 )
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import strict_cupy  # noqa: E402  (fused="device": the GPU path on the CPU)
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def device_arrays(request):
+    """Tests parametrized with ``fused="device"``: the strict CuPy double stands for CuPy and torch's
+    CPU tensors reach the core as its device arrays (sharing their memory), so the GPU path -- the
+    core's device kernels, and under DDP the exchange launched from DDP's hooks -- runs here."""
+    spec = getattr(request.node, "callspec", None)
+    if spec is None or spec.params.get("fused") != "device":
+        yield
+        return
+    with strict_cupy.install(), strict_cupy.torch_bridge():
+        strict_cupy.Device.current = 0
+        strict_cupy.reset_counts()
+        yield
+
+
+def kernel_steps():
+    """Steps the core's device kernels took (the double's count of update kernels)."""
+    return sum(n for op, n in strict_cupy.launches.items() if op.startswith("kernel(slamb_update"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +99,7 @@ def train_step(net, opt, t, scale=1.0):
 
 
 def slamb_opt(model, fused=False, **kw):
-    kw = {"fused": fused, "lr": 0.02, "ratio": 0.25, "beta3": 0.9, "weight_decay": 0.01, "dense_threshold": THRESHOLD, **kw}
+    kw = {"fused": fused == "device" or fused, "lr": 0.02, "ratio": 0.25, "beta3": 0.9, "weight_decay": 0.01, "dense_threshold": THRESHOLD, **kw}
     return st.DistributedOptimizer(st.SLAMB(model.parameters(), **kw), named_parameters=model.named_parameters())
 
 
@@ -91,9 +116,10 @@ def gather_failures(failed):
 
 
 # ============================================================================= SLAMB vs section 1
-# fused=True: the buckets as flat buffers (the default on CUDA), every step's exchange launched
-# from step() as the core's whole-buffer step; fused=False: tensor by tensor, from the hooks
-@pytest.mark.parametrize("fused", [False, True])
+# fused=True: the buckets as flat buffers (the default on CUDA), on the CPU stepped tensor by tensor
+# from step(); fused="device": the same through the core's device kernels on the strict double,
+# under DDP exchanged from DDP's hooks; fused=False: tensor by tensor, from the hooks
+@pytest.mark.parametrize("fused", [False, True, "device"])
 @pytest.mark.parametrize("use_ddp", [False, True])
 @pytest.mark.parametrize("ratio,value_dtype", [(0.25, "float32"), (1.0, "float32"), (0.25, "float16")])
 def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype, fused):
@@ -107,7 +133,10 @@ def test_slamb_matches_section1_every_step(use_ddp, ratio, value_dtype, fused):
     (comm,) = opt.communicators
     assert comm.size == P() and isinstance(comm.transport, st.TorchTransport)
     tol = dict(rtol=2e-4, atol=2e-5) if value_dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
-    gather_failures(against_reference(net, model, opt, ref, "section 1", tol))
+    failed = against_reference(net, model, opt, ref, "section 1", tol)
+    if fused == "device" and kernel_steps() != 8:
+        failed.append(f"the device kernels took {kernel_steps()} of 8 steps")
+    gather_failures(failed)
 
 
 def against_reference(net, model, opt, ref, section, tol, steps=8, H=3):
@@ -127,7 +156,54 @@ def against_reference(net, model, opt, ref, section, tol, steps=8, H=3):
     return failed
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", ["device"])
+def test_device_exchange_starts_in_ddp_hooks_before_the_backward_pass_ends(fused, monkeypatch):
+    """The GPU path under DDP (docs/core.md): each DDP bucket's masked momentum is packed by the core's
+    kernel and its allreduce started from slamb_hook. DDP rebuilds its buckets after the first
+    iteration (six here), so from the third step on -- the grouping of the step before -- every
+    bucket's exchange starts from its hook, the first one before the backward pass has computed its
+    last gradient; the steps before exchange from step(). Every step equals the dense reference."""
+    from slamb_comm.adapters.torch.flat_exchange import FlatExchange
+
+    model = make_model(1)
+    net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+    opt = slamb_opt(model, fused=fused, sync_interval=3, seed=5)
+    net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
+    events = []
+    launch = FlatExchange.launch
+
+    def logged(self, e, params, grads):
+        ok = launch(self, e, params, grads)
+        events.append("hook exchange" if ok else "from step()")
+        return ok
+
+    monkeypatch.setattr(FlatExchange, "launch", logged)
+    first = next(model.parameters())  # the first layer's weight: the backward pass computes its gradient last
+    first.register_hook(lambda g: events.append("last gradient"))
+    ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.02, wd=0.01, beta3=0.9, H=3)
+    (comm,) = opt.communicators
+    failed, seen = [], {}
+    for t in range(1, 7):
+        events.clear()
+        xs = everyones_params(model)
+        grads = np.stack([grads_at(xs[r], r, t) for r in range(P())])
+        mask = np.asarray(comm.mask.select(t))
+        train_step(net, opt, t)
+        ref.step(grads, mask)
+        seen[t] = list(events)
+        if not np.allclose(flat_params(model), ref.x[R()], rtol=2e-4, atol=2e-5):
+            failed.append(f"step {t}: {maxdiff(flat_params(model), ref.x[R()]):.3g} from section 1")
+    for t in range(3, 7):
+        if seen[t].count("hook exchange") != 6 or seen[t].index("hook exchange") > seen[t].index("last gradient"):
+            failed.append(f"step {t}: {seen[t]}")
+    if "hook exchange" in seen[1] + seen[2]:
+        failed.append(f"steps 1-2 exchanged from hooks before DDP's buckets settled: {seen[1]}, {seen[2]}")
+    if kernel_steps() != 6:
+        failed.append(f"the device kernels took {kernel_steps()} of 6 steps")
+    gather_failures(failed)
+
+
+@pytest.mark.parametrize("fused", [False, True, "device"])
 @pytest.mark.parametrize("use_ddp", [False, True])
 def test_sadamw_matches_section11_every_step(use_ddp, fused):
     """SAdamW: SLAMB's exchange under AdamW's update (docs/algorithm.md section 11), the dense
@@ -136,7 +212,7 @@ def test_sadamw_matches_section11_every_step(use_ddp, fused):
     net = ddp(model) if use_ddp else model
     opt = st.DistributedOptimizer(
         st.SAdamW(model.parameters(), lr=0.01, ratio=0.25, beta3=0.9, weight_decay=0.01, dense_threshold=THRESHOLD,
-                  sync_interval=3, seed=5, fused=fused), named_parameters=model.named_parameters())
+                  sync_interval=3, seed=5, fused=fused == "device" or fused), named_parameters=model.named_parameters())
     if use_ddp:
         net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
     ref = RefSlamb(flat_params(model), SHAPES, P(), lr=0.01, eps=1e-8, wd=0.01, beta3=0.9, H=3, c_min=1.0, c_max=1.0)
@@ -148,7 +224,7 @@ def test_sadamw_matches_section11_every_step(use_ddp, fused):
 SCHEDULE = {4: 0.25, 6: 0.1, 9: 1.0, 10: 0.2}
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "device"])
 @pytest.mark.parametrize("use_ddp", [False, True])
 def test_slamb_ratio_schedule_matches_section1_every_step(use_ddp, fused):
     """``param_group['ratio']`` changed between steps on every rank: from that step on, the
@@ -264,7 +340,7 @@ def test_flat_buckets_exchange_once_from_step_and_keep_gradients_local():
     gather_failures(failed)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "device"])
 @pytest.mark.parametrize("use_ddp", [False, True])
 def test_nan_on_one_rank_skips_the_step_on_every_rank(use_ddp, fused):
     model = make_model(3)
@@ -284,7 +360,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(use_ddp, fused):
     gather_failures(failed)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "device"])
 def test_checkpoint_resumes_bitwise(fused):
     model = make_model(4)
     opt = slamb_opt(model, sync_interval=2, seed=None, fused=fused)

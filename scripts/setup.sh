@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent set-up step for slamb_comm on a fresh Debian machine with Python 3.11:
-# Open MPI, torch==2.13.0 (CPU wheel), mpi4py, Horovod 0.28.1 built from its sdist with
-# PyTorch + MPI + Gloo, and this package in editable mode with its extras.
+# Open MPI, torch==2.13.0 (CPU wheel), mpi4py, CuPy 14.2 with NVRTC (no GPU needed), Horovod 0.28.1
+# built from its sdist with PyTorch + MPI + Gloo, and this package in editable mode with its extras.
 # A second run skips every step that is already done. Any failure stops the script and
 # names the step that failed.
 set -euo pipefail
@@ -10,6 +10,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 TORCH_VERSION=2.13.0
 HOROVOD_VERSION=0.28.1
+CUPY_VERSION=14.2.0
 STEP=""
 
 step() { STEP="$1"; echo "[setup] $1"; }
@@ -44,6 +45,16 @@ fi
 step "build and runtime Python packages (numpy, mpi4py, pytest, pytest-mpi, hypothesis, ...)"
 "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" numpy mpi4py pytest pytest-mpi pytest-timeout hypothesis \
   cloudpickle psutil pyyaml packaging cffi wheel setuptools matplotlib scikit-learn tqdm
+
+step "CuPy ${CUPY_VERSION} (cupy-cuda12x) and NVRTC (nvidia-cuda-nvrtc-cu12): the kernels' compile check, no GPU needed"
+# tests/test_kernels_nvrtc.py compiles slamb_comm's CUDA kernels with NVRTC on this CPU-only
+# machine; the strict double (tests/strict_cupy.py) charges CuPy's calls as CuPy 14.2 runs them.
+if "$PY" -c "import cupy, sys; from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()
+sys.exit(0 if cupy.__version__ == '${CUPY_VERSION}' else 1)" 2>/dev/null; then
+  echo "[setup]   already installed"
+else
+  "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" "cupy-cuda12x==${CUPY_VERSION}" nvidia-cuda-nvrtc-cu12
+fi
 
 step "frameworks the integration tests run under: accelerate, transformers, lightning (torch pinned)"
 # (timm is not installed: it pulls a CUDA torchvision that breaks transformers.)

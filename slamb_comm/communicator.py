@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from . import arrays as _arr
+from . import device as _dev
 from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
 from .masks import BLOCK, check_block, make_mask
 from .onebit import OneBitExchange
@@ -129,6 +130,7 @@ class Communicator(TopKExchange):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
         self.residual = None  # error-feedback buffer of sparse_allgather, allocated on first use
+        self._device = {}  # the layout's tiles and tables of addresses on a device (sync of a list)
         self._residual_on_host = False  # restored by load_state_dict, not yet moved to a device
         self._uncommitted = None  # a sparse_allgather(commit=False) waiting for commit_residual()
         self.bucket_bytes = int(bucket_bytes)
@@ -336,7 +338,8 @@ class Communicator(TopKExchange):
         self.transport.allgather(mine, everyone)
         return everyone.tolist()
 
-    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None, present=0):
+    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None, present=0,
+                       status_in_buffer=False):
         """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
         rank that rejected its input (``problem``, an exception) or found non-finite values of
         its own (``local_bad``: a bool, or a 0-d device array, so that nothing is read back
@@ -350,6 +353,9 @@ class Communicator(TopKExchange):
         were not finite (the ranks then agree on the union). Every exchange that sums goes
         through here.
 
+        ``status_in_buffer``: the caller (a device kernel) already wrote the status word(s) into
+        ``buf``; ``local_bad`` is then read only on the failure path.
+
         ``present``: what a rank that is fine puts in the status word (default 0). With
         ``whole=False`` the summed status word is returned (its one host read), so a caller
         that puts a nonzero ``present`` learns how many ranks took part: under Horovod's
@@ -358,6 +364,8 @@ class Communicator(TopKExchange):
         xp = _arr.namespace(buf)
         if problem is not None:
             buf[-1] = np.nan
+        elif status_in_buffer:
+            pass
         elif isinstance(local_bad, (bool, np.bool_)):
             buf[-1] = np.nan if local_bad else present
         else:
@@ -452,104 +460,143 @@ class Communicator(TopKExchange):
         self.stats.record("masked_allreduce", traffic(t1 - t0, t2 - t1, t3 - t2))
         return x, sel
 
-    def sync(self, x, written=None, finite=None):
+    def sync(self, x, written=None, bad=None):
         """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
 
-        Used for SLAMB's periodic parameter sync and as the dense baseline. The arrays go
-        through a fused buffer of at most ``bucket_bytes`` in as many allreduces as that
-        takes; each rank sends ``x / P`` (so no sum can overflow; exact for P a power of
-        two). The first bucket carries the status word and is checked with one host read
-        before anything is written: a rank with bad input or non-finite ``x`` makes every
-        rank raise, with nothing changed. The status word also counts the ranks that took
-        part: where some contributed zeros instead (ranks that called Horovod's ``join()``),
-        the mean is over the others, so the parameters are not shrunk towards zero. ``written(i)``, if given, is called once tensor i
-        has been written (for lazily converted inputs; see :meth:`_take`). ``finite``: the
-        caller's word that ``x`` is finite on this rank (a bool, or a 0-d device array), which
-        saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
+        Used for SLAMB's periodic parameter sync and as the dense baseline. The status word goes
+        first, alone, and is checked with one host read before anything is written: a rank with
+        bad input or non-finite ``x`` makes every rank raise, with nothing changed. It also counts
+        the ranks that took part: where some contributed zeros instead (ranks that called
+        Horovod's ``join()``), the mean is over the others, so the parameters are not shrunk towards
+        zero. Then each rank sends ``x / P`` (so no sum can overflow; exact for P a power of two), in
+        allreduces of at most ``bucket_bytes``: a fused buffer in place (no copy of it is made), a
+        list of arrays through a buffer of that size (on a device two copy kernels per allreduce,
+        whatever the number of tensors; on the CPU, or for a lazily read sequence, tensor by tensor).
+
+        ``written(i)``, if given, is called once tensor i has been written (for lazily converted
+        inputs; see :meth:`_take`). ``bad``: the caller's word that ``x`` is not finite on this
+        rank (a bool, or a 0-d device array whose nonzero value says so, as a kernel's flag word),
+        which saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
         """
         t0 = time.perf_counter()
         xp, views, problem = self._take_or_problem(x)
-        lay, P = self.layout, self.size
-        n, dt = lay.total, lay.dtype
-        comm_s = 0.0
+        lay = self.layout
         with _arr.device_scope(views[0] if views else np.zeros(0)):
-            bad = False
-            if finite is not None:
-                bad = (not bool(finite)) if isinstance(finite, (bool, np.bool_)) else ~finite
-            elif views is not None:  # this rank's parameters must be finite before they are averaged
+            if bad is None:
+                bad = False if views is None else self._not_finite(xp, views)
+            c0 = time.perf_counter()
+            fix = self._sync_status(xp.zeros(1, lay.dtype), problem, bad, views, xp)
+            comm_s = time.perf_counter() - c0
+            flat = self._fused_input(x, views)
+            if flat is not None:
+                comm_s += self._sync_in_place(flat, fix)
+            else:
+                comm_s += self._sync_list(xp, views, fix, written)
+            if written is not None and (flat is not None or not isinstance(views, LazyTensors)):
                 for i in range(len(lay)):
-                    v = views[i]
-                    if v.size:
-                        fin = xp.isfinite(v.max()) & xp.isfinite(v.min())
-                        bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
-            cap = max(1, min(n, self.bucket_bytes // dt.itemsize))
-            buf = xp.empty(cap + 1, dtype=dt)
-            scale = dt.type(1.0 / P)
-            pieces, used, first = [], 0, True
-            fix = None  # P / (ranks that took part), where that is not P
-            # a fused x goes through in whole buckets (a constant number of copies whatever the
-            # number of tensors); a list of arrays tensor by tensor
-            flat = None if views is None else self._fused_input(x, views)
-            done = [0]  # with a fused x: the tensors reported written so far
+                    written(i)
+        n, dt, P = lay.total, lay.dtype, self.size
+        payload, dense = (n + 1) * dt.itemsize, n * dt.itemsize
+        self.stats.record("sync", Traffic(1, payload, allreduce_wire(payload, P), dense, allreduce_wire(dense, P),
+                                          n, n, 0.0, comm_s, time.perf_counter() - t0 - comm_s))
+        return x
 
-            def flush(pieces, used, first):
-                nonlocal comm_s, fix
-                b = buf[: used + 1] if first else buf[:used]
-                if first:
-                    buf[used] = 0  # the status word, set by reduce_checked; not scratch garbage meanwhile
-                if P > 1:
+    def _not_finite(self, xp, views):
+        """Whether some tensor of this rank's ``views`` is not finite (a bool, or a 0-d device array)."""
+        bad = False
+        for i in range(len(self.layout)):
+            v = views[i]
+            if v.size:
+                fin = xp.isfinite(v.max()) & xp.isfinite(v.min())
+                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
+        return bad
+
+    def _sync_status(self, buf, problem, bad, views, xp):
+        """The sync's status word ``buf`` (one element), summed and checked with one host read;
+        returns ``P / ranks that took part`` where that is not 1 (in the dtype), else None."""
+        P, dt, lay = self.size, self.layout.dtype, self.layout
+        c0 = time.perf_counter()
+        dense = lay.total * dt.itemsize
+        with self.stats.failed("sync", lambda: Traffic(
+                1, dt.itemsize, allreduce_wire(dt.itemsize, P), dense, allreduce_wire(dense, P), 0, lay.total, 0.0,
+                time.perf_counter() - c0, 0.0)):
+            word = self.reduce_checked(buf, problem, bad, "sync", whole=False, present=dt.type(1.0 / P),
+                                       mine=lambda: [not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
+        took_part = round(word * P)
+        return dt.type(P / took_part) if 0 < took_part < P else None
+
+    def _cap(self):
+        return max(1, min(self.layout.total, self.bucket_bytes // self.layout.dtype.itemsize))
+
+    def _sync_in_place(self, flat, fix):
+        """A fused buffer: ``flat /= P`` and its allreduce in place, in slices of at most
+        ``bucket_bytes``. Returns the seconds spent in the collectives."""
+        P, dt, cap = self.size, self.layout.dtype, self._cap()
+        if P > 1:
+            flat *= dt.type(1.0 / P)
+        c0 = time.perf_counter()
+        for lo in range(0, flat.size, cap):
+            self.transport.allreduce(flat[lo : lo + cap])
+        comm_s = time.perf_counter() - c0
+        if fix is not None:
+            flat *= fix
+        return comm_s
+
+    def _sync_list(self, xp, views, fix, written):
+        """A list of arrays through a buffer of at most ``bucket_bytes``. Returns the seconds spent in
+        the collectives."""
+        lay, P, dt, cap = self.layout, self.size, self.layout.dtype, self._cap()
+        buf = xp.empty(cap, dtype=dt)
+        scale = dt.type(1.0 / P) if P > 1 else None
+        device = xp is not np and not isinstance(views, LazyTensors)
+        if device:
+            tiles, tables = self._device_tables(xp)
+            table = tables.table(xp, "sync", views)
+        comm_s = 0.0
+        for lo in range(0, lay.total, cap):
+            hi = min(lay.total, lo + cap)
+            b = buf[: hi - lo]
+            if device:
+                _dev.copy_range(xp, tiles, table, lo, hi, b, 1.0 if scale is None else scale, False)
+            else:
+                self._copy_pieces(views, lo, hi, b, into_tensors=False)
+                if scale is not None:
                     b *= scale
-                c0 = time.perf_counter()
-                if first:
-                    sent_bytes = b.size * dt.itemsize  # a failure is found in the first bucket: only it ran
-                    with self.stats.failed("sync", lambda: Traffic(
-                            1, sent_bytes, allreduce_wire(sent_bytes, P), n * dt.itemsize,
-                            allreduce_wire(n * dt.itemsize, P), b.size - 1, n, 0.0, time.perf_counter() - c0, 0.0)):
-                        word = self.reduce_checked(b, problem, bad, "sync", whole=False, present=scale, mine=lambda: [
-                            not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
-                    took_part = round(word * P)
-                    if 0 < took_part < P:
-                        fix = dt.type(P / took_part)
-                else:
-                    self.transport.allreduce(b)
-                comm_s += time.perf_counter() - c0
+            c0 = time.perf_counter()
+            self.transport.allreduce(b)
+            comm_s += time.perf_counter() - c0
+            if device:
+                _dev.copy_range(xp, tiles, table, lo, hi, b, 1.0 if fix is None else fix, True)
+            else:
                 if fix is not None:
                     b *= fix
-                for i, lo, hi, at in pieces:
-                    (views[i] if flat is None else flat)[lo:hi] = buf[at : at + hi - lo]
-                    if written is not None and flat is None and hi == lay.sizes[i]:
-                        written(i)
-                    elif written is not None and flat is not None:
-                        while done[0] < len(lay) and lay.offsets[done[0]] + lay.sizes[done[0]] <= hi:
-                            written(done[0])
-                            done[0] += 1
+                self._copy_pieces(views, lo, hi, b, into_tensors=True,
+                                  written=written if isinstance(views, LazyTensors) else None)
+        return comm_s
 
-            if views is None:  # bad input: the first bucket, zeros and the flag; then everyone raises
-                buf[:cap] = 0
-                flush([], cap, True)
-            for i in range(0 if views is None else 1 if flat is not None else len(lay)):
-                src = flat if flat is not None else views[i]  # a lazy sequence converts it only now
-                size, lo = src.size, 0
-                while lo < size:
-                    take = min(size - lo, cap - used)
-                    buf[used : used + take] = src[lo : lo + take]
-                    pieces.append((i, lo, lo + take, used))
-                    used += take
-                    lo += take
-                    if used == cap:
-                        flush(pieces, used, first)
-                        pieces, used, first = [], 0, False
-            if pieces or first:
-                flush(pieces, used, first)
-        t3 = time.perf_counter()
-        payload = (n + 1) * dt.itemsize
-        dense = n * dt.itemsize
-        self.stats.record(
-            "sync",
-            Traffic(1, payload, allreduce_wire(payload, P), dense, allreduce_wire(dense, P),
-                    n, n, 0.0, comm_s, t3 - t0 - comm_s),
-        )
-        return x
+    def _copy_pieces(self, views, lo, hi, buf, into_tensors, written=None):
+        """Fused elements ``[lo, hi)`` between the tensors ``views`` and ``buf``, tensor by tensor (a
+        lazy sequence converts a tensor when it is first reached); ``written(i)`` once tensor i is
+        complete."""
+        lay = self.layout
+        for i in range(len(lay)):
+            o, n = lay.offsets[i], lay.sizes[i]
+            a, b = max(o, lo), min(o + n, hi)
+            if a >= b:
+                continue
+            if into_tensors:
+                views[i][a - o : b - o] = buf[a - lo : b - lo]
+                if written is not None and b == o + n:
+                    written(i)
+            else:
+                buf[a - lo : b - lo] = views[i][a - o : b - o]
+
+    def _device_tables(self, xp):
+        """The layout's tiles and tables of addresses on the current device (built once)."""
+        key = (xp.__name__, xp.cuda.Device().id)
+        if self._device.get("key") != key:
+            self._device = {"key": key, "tiles": _dev.Tiles(self.layout, xp), "tables": _dev.AddressTables(self.layout)}
+        return self._device["tiles"], self._device["tables"]
 
     def onebit_allreduce(self, x):
         """In place: ``x`` (fused buffer or list of arrays) becomes the error-compensated 1-bit

@@ -1,354 +1,403 @@
-"""SLAMB's step on the whole fused buffer at once: the device path of :meth:`Slamb.step`.
+"""SLAMB's step on a device: four kernels whatever the number of tensors (the GPU path of :meth:`Slamb.step`).
 
-:class:`~slamb_comm.slamb.Slamb` does its CPU step tensor by tensor, in cache-sized blocks (no
-launches to save there). On a device every operation is a kernel launch, so this module does the
-same step (docs/algorithm.md section 1, bitwise the same positions and payload) as a constant
-number of whole-buffer operations, whatever the number of tensors -- the idea of apex's
-``multi_tensor_apply`` and torch's fused optimizers, written as array expressions that run the
-same on NumPy, on the tests' strict CuPy double and on CuPy:
+:class:`~slamb_comm.slamb.Slamb` does its CPU step tensor by tensor, in cache-sized blocks. On a
+device a step is bound by memory traffic and launches, so :class:`DeviceStep` runs the same step
+(docs/algorithm.md section 1: the same positions, the same payload bits) as the kernels of
+:mod:`slamb_comm.kernels` over a table of tiles:
 
-* **Per-tensor constants live in small device arrays, built once** (:class:`Plan`): the start of
-  every tensor in the fused buffer (per-tensor sums are one ``add.reduceat``), the cyclic mask's
-  rotations (one small integer per group of C units) and, per element, one int32 index
-  ``tensor * (C + 1) + chunk`` (chunk C for always-dense elements) that turns a per-(tensor,
-  chunk) table of update coefficients into the per-element coefficient with one ``take``.
-  Per step, the payload's per-tensor starts and counts come from a table indexed by the chunk
-  ``(t - 1) mod C``: nothing is computed per tensor on the host, nothing copied to the device
-  after the first step of a cycle (the first cycle after the start copies C + 1 freshness values).
-* **Positions of M_t**: the selected unit of global group g is ``g C + (j - h(g)) mod C``; a
-  unit maps to its element through its tensor's shift (one ``searchsorted``); the always-dense
-  elements join them in one sort. The same positions as :class:`~slamb_comm.masks.CyclicMask`.
-* **Trust ratios**: the four squared norms per tensor are four ``reduceat``; the ratios and rates
-  of all tensors are one fused elementwise function on arrays of one entry per tensor.
+1. ``slamb_pack``: the gradient read once (NaN, Inf or a square that overflows v sets the status
+   word), this rank's new momentum on M_t written into the payload;
+2. one allreduce of the payload and one host read of its sum (:meth:`Communicator.reduce_checked`);
+3. ``slamb_moments``: m and v committed, M_t's means put into m, the direction w formed and each
+   tile's squared norms summed in float64 (w is not stored);
+4. ``slamb_trust``: per tensor, its tiles' partial sums in tile order, the trust ratios, the rates;
+5. ``slamb_update``: w recomputed, each element's freshness derived from the mask's formula, x updated;
+6. after steps 1, H + 1, ...: the periodic sync of x (:meth:`Communicator.sync`).
 
-Scratch on the device: two buffers of the fused size (the direction and one temporary) and the
-int32 index (4 bytes per parameter, kept), besides m and v. Where this path does not apply
-(NumPy arrays unless asked for, a list of arrays instead of one fused buffer, the bernoulli and
-topk masks, ``block > 1``, a ratio change within its first cycle, tensors that skipped a step)
-:meth:`Slamb.step` goes tensor by tensor.
+**Costs per step** (float32, ratio k, N parameters; counted on the tests' strict CuPy double by
+``python3 benchmarks/launches.py``): about 44 bytes of device traffic per parameter for the
+three passes (the gradient's check 4, moments 24, update 16) plus the payload's few bytes; 7
+device operations at two ranks and 1 host read, at any number of tensors, on a fused buffer or a
+list of arrays, in the mask's first cycle and after a ratio change too; no host-to-device copy
+once the tables are built (a table of device addresses is copied when the arrays move). Memory
+beyond m and v: the payload (``k N`` values and the always-dense tensors), one float64 partial
+per tile and tensor, small tables.
 
-``fuse`` marks the elementwise functions CuPy compiles into one kernel (``cupy.fuse``); on
-NumPy and on the strict double they run as written. None of this has run on a GPU yet.
+**Parameters and gradients are read where they are**: through a table of device addresses, one
+per tensor, built from a fused buffer, a list of arrays, or an adapter's :class:`Addresses`, and
+copied to the device only when an address changes.
+
+Where this path does not apply the step goes tensor by tensor (:func:`applies`): NumPy arrays,
+the bernoulli and topk masks, ``block > 1``, more than :data:`MAX_LEVELS` ratio changes within one
+cycle, and tensors that once skipped a step (their freshness is stored, not derived).
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from . import arrays as _arr
+from . import device as _dev
+from . import kernels as _k
 from .errors import LayoutError, NonFiniteError
 from .stats import Traffic, allreduce_wire
 
-__all__ = ["Plan", "applies", "step"]
+__all__ = ["DeviceStep", "Plan", "applies", "MAX_LEVELS"]
 
+#: the masks whose freshness the update kernel derives: the current one and those before it still
+#: within their first cycle (a ratio schedule that changes more often goes tensor by tensor)
+MAX_LEVELS = 4
 
-_FUSED = {}  # (library, name) -> its fused function: built (and traced) once per process
-
-
-def _fuse(xp, name, f):
-    """``xp.fuse(f, kernel_name=name)`` where the library has it (CuPy: one kernel, compiled at
-    the first call and cached), else ``f``. The name must be a C identifier: CuPy names the
-    kernel after it (a lambda's ``<lambda>`` does not compile)."""
-    fuse = getattr(xp, "fuse", None)
-    if fuse is None:
-        return f
-    key = (id(xp), name)
-    if key not in _FUSED:
-        _FUSED[key] = fuse(kernel_name=name)(f)
-    return _FUSED[key]
-
-
-def _momentum(m, g, a, b):
-    return a * m + b * g
-
-
-def _blend(a, s, f):
-    return a + (s - a) * f
-
-
-def _trust(xp, xn2, un2, c_min, c_max):
-    """``clamp(||x|| / ||u||, c_min, c_max)`` per entry, 1 where either norm is 0 (from squares)."""
-    xn, un = xp.sqrt(xn2), xp.sqrt(un2)
-    ok = (xn > 0) & (un > 0)
-    r = xp.minimum(xp.maximum(xn / xp.where(ok, un, 1.0), c_min), c_max)
-    return xp.where(ok, r, 1.0)
+def applies(slamb, x, g, xp, skip):
+    """Whether :class:`DeviceStep` can take this step (see the module docstring)."""
+    mask = slamb.comm.mask
+    if slamb.fused is False or xp is np or skip or slamb.has_stored_freshness or len(slamb.layout) == 0:
+        return False
+    return (mask.kind == "cyclic" and mask.block == 1
+            and (mask.settled(slamb.t + 1) or len(mask.levels()) <= MAX_LEVELS))
 
 
 class Plan:
-    """The constants of the fused step for one layout, mask and device (built once, on first use).
+    """The device tables of one layout, mask, device and grouping of the tensors (built once).
 
-    Host: per chunk j, the payload's per-tensor counts and starts and its size. Device: the
-    segment starts of the per-tensor sums, the mask's group rotations and rotation table, per
-    compressible tensor its last unit and its unit-to-element shift, the always-dense elements'
-    positions, and the per-element coefficient index (int32, 4 bytes per parameter).
+    Tiles: ``TILE`` consecutive elements of one tensor, ordered by group, then by tensor in the
+    group's order, so that a group's tiles are one range (one pack launch) and a tensor's tiles
+    are one range (its partial sums). Per tensor: its offset, its unit shift (a compressible
+    element i is unit ``i - shift``; -1 marks an always-dense tensor) and, per chunk j, the base
+    of its payload index. The payload (the "arena") holds, per chunk, every group's tensors'
+    segments followed by that group's status word.
     """
 
-    def __init__(self, slamb, xp):
-        lay, mask = slamb.layout, slamb.comm.mask
-        self.xp = xp
-        self.key = (xp.__name__, None if xp is np else xp.cuda.Device().id)
-        T, N = len(lay), lay.total
-        C = self.C = mask.num_chunks if mask.kind == "cyclic" else 1
-        self.T, self.N = T, N
-        sizes = self.sizes = np.asarray(lay.sizes, np.int64)
-        offsets = np.asarray(lay.offsets, np.int64)
-        put = (lambda a: a) if xp is np else xp.asarray
-        # per-tensor sums over the fused buffer: reduceat over the non-empty tensors' starts
-        ne = np.flatnonzero(sizes > 0)
-        self.all_full = ne.size == T
-        self.seg = put(offsets[ne])
-        self.ne = put(ne)
-        comp = list(lay.compressible) if C > 1 else []
-        is_comp = set(comp)
-        dense = [i for i in range(T) if lay.sizes[i] and i not in is_comp]
-        # payload counts per chunk: every element of a dense tensor, the mask's count otherwise
-        self.counts = np.zeros((C, T), np.int64)
-        for j in range(C):
-            for i in range(T):
-                self.counts[j, i] = mask.count_of_chunk(j, i) if i in is_comp else lay.sizes[i]
-        self.starts = np.concatenate([np.zeros((C, 1), np.int64), np.cumsum(self.counts, axis=1)], axis=1)
-        self.K = self.starts[:, -1].copy()  # payload size per chunk
-        self.everything = not comp  # every element in every step's M_t
-        # payload segments per chunk (non-empty counts), as device tables built once
-        self.pseg, self.pne, self.pfull = [], [], []
-        for j in range(C):
-            nz = np.flatnonzero(self.counts[j] > 0)
-            self.pseg.append(put(self.starts[j, nz]))
-            self.pne.append(put(nz))
-            self.pfull.append(nz.size == T)
-        if not self.everything:
-            units = [lay.sizes[i] for i in comp]
-            qs = np.concatenate([[0], np.cumsum(units)])[:-1]
-            self.U = int(sum(units))
-            self.G = -(-self.U // C)  # groups, the last one possibly partial
-            self.unit_end = put(np.asarray(qs + np.asarray(units), np.int64))
-            self.shift = put(np.asarray(offsets[comp] - qs, np.int64))
-            self.Kc = np.asarray([int(self.counts[j, comp].sum()) for j in range(C)])
-            self.h = mask.group_rotations(self.G, xp)
-            lut = np.array([[(j - c) % C for c in range(C)] for j in range(C)], np.int64)
-            self.lut = put(lut)
-            didx = [np.arange(offsets[i], offsets[i] + sizes[i], dtype=np.int64) for i in dense]
-            self.dense_idx = put(np.concatenate(didx)) if didx else None
-        # per element: tensor * (C + 1) + chunk, chunk C for always-dense elements (freshness 1)
-        idx_dtype = np.int32 if T * (C + 1) < 2**31 else np.int64
-        cidx = np.repeat(np.arange(T, dtype=np.int64) * (C + 1) + C, sizes).astype(idx_dtype)
-        for i in comp:
-            o, n = lay.offsets[i], lay.sizes[i]
-            cidx[o : o + n] += (mask.element_chunks(i) - C).astype(idx_dtype)
-        self.cidx = put(cidx)
-        self.mask = mask
-        self._tables = {}  # (name, values) -> device array of per-tensor constants
-        self._F = {}  # chunk j -> device row of C + 1 freshness values (settled cycles)
+    def __init__(self, layout, mask, xp, groups=None):
+        T = len(layout)
+        self.xp, self.mask = xp, mask
+        self.C = mask.num_chunks
+        self.tiles = _dev.Tiles(layout, xp, groups)
+        self.groups = self.tiles.groups
+        self.comp = set(layout.compressible) if self.C > 1 else set()
+        shift = [layout.offsets[i] - mask.first_unit(i) if i in self.comp else -1 for i in range(T)]
+        self.tshift = xp.asarray(np.asarray(shift, np.int64))
+        counts, g0 = self._chunk_tables(layout)
+        self._arena(layout, counts, g0)
 
-    def per_tensor(self, name, values):
-        """``values`` (one float per tensor) as a float64 device array, copied when they change
-        (a scalar where they are all equal: no array, no copy)."""
-        if len(set(values)) <= 1:
-            return float(values[0]) if values else 0.0
-        key = (name, tuple(values))
-        a = self._tables.get(key)
-        if a is None:
-            self._tables = {k: v for k, v in self._tables.items() if k[0] != name}
-            host = np.asarray(values, np.float64)
-            a = self._tables[key] = host if self.xp is np else self.xp.asarray(host)
+    def _chunk_tables(self, layout):
+        """Per chunk j and tensor: its elements in M_t (``counts``) and, for a compressible tensor,
+        the group of its first selected unit (``g0``; the k-th selected unit of the tensor is in
+        group g0 + k: one per group)."""
+        C, T, mask = self.C, len(layout), self.mask
+        counts = np.zeros((C, T), np.int64)
+        g0 = np.zeros((C, T), np.int64)
+        j = np.arange(C, dtype=np.int64)
+        for i in range(T):
+            n = layout.sizes[i]
+            if i not in self.comp:
+                counts[:, i] = n
+                continue
+            qs = mask.first_unit(i)
+            qe = qs + n
+            gh, gt = qs // C, (qe - 1) // C
+            head = gh * C + (j - mask.rotation(gh)) % C
+            tail = gt * C + (j - mask.rotation(gt)) % C
+            inside = lambda q: (q >= qs) & (q < qe)  # noqa: E731
+            counts[:, i] = max(0, gt - gh - 1) + inside(head) + (inside(tail) if gt != gh else 0)
+            g0[:, i] = np.where(head >= qs, gh, gh + 1)
+        return counts, g0
+
+    def _arena(self, layout, counts, g0):
+        C, T = self.C, len(layout)
+        pstart = np.zeros((C, T), np.int64)
+        self.status = np.zeros((C, len(self.groups)), np.int64)  # per chunk and group: its status word
+        self.group_start = np.zeros((C, len(self.groups)), np.int64)
+        for jj in range(C):
+            at = 0
+            for k, grp in enumerate(self.groups):
+                self.group_start[jj, k] = at
+                for i in grp:
+                    pstart[jj, i] = at
+                    at += counts[jj, i]
+                self.status[jj, k] = at
+                at += 1
+        self.counts, self.pstart = counts, pstart
+        self.size = self.status[:, -1] + 1  # the arena's used length per chunk
+        base = pstart - np.where([i in self.comp for i in range(T)], g0, 0)
+        self.pbase = self.xp.asarray(base.reshape(-1))
+
+    def bad_tensors(self, j, summed):
+        """The tensors whose values in the summed payload ``summed`` (a host array of chunk j) are not
+        finite (the failure path)."""
+        bad = ~np.isfinite(summed)
+        return [i for i in range(self.counts.shape[1])
+                if self.counts[j, i] and bad[self.pstart[j, i] : self.pstart[j, i] + self.counts[j, i]].any()]
+
+    def k_of(self, j, group=None):
+        """The payload values of chunk j (of one group, or of all), status words excluded."""
+        if group is None:
+            return int(self.size[j]) - len(self.groups)
+        lo, hi = self.group_start[j, group], self.status[j, group]
+        return int(hi - lo)
+
+
+class _Levels(NamedTuple):
+    """The masks the update kernel derives freshness from, after step t (see ``slamb_fresh``)."""
+
+    C0: int
+    s0: int
+    count: int
+    table: object  # (C, steps run) of each earlier mask, newest first, on the device
+
+
+class DeviceStep:
+    """The device state and kernels of one :class:`~slamb_comm.slamb.Slamb`'s fused step: the
+    plans, the tables of addresses, the payload, the partial sums and the rates. Its owner calls
+    :meth:`step`; adapters that overlap the exchange with the backward pass call :meth:`pack` per
+    group of tensors, run their own collectives on :meth:`payload`, then :meth:`finish`."""
+
+    def __init__(self, slamb):
+        self.slamb = slamb
+        self._plans = {}
+        self._tables = _dev.AddressTables(slamb.layout)
+        self._arrays = {}  # name -> device scratch (payload, partials, rates, word, ...)
+        self._consts = {}  # (name, values) -> device table of per-tensor constants
+        self._where = None  # (library, device) of all of the above
+
+    # ------------------------------------------------------------------ tables
+    def plan(self, xp, groups=None):
+        """The tables for the current mask, device and grouping (rebuilt when any changes)."""
+        where = (xp.__name__, xp.cuda.Device().id)
+        if self._where != where:  # another library or device: nothing of the old one is usable
+            self.__init__(self.slamb)
+            self._where = where
+        key = None if groups is None else tuple(map(tuple, groups))
+        plan = self._plans.get(key)
+        if plan is None or plan.mask is not self.slamb.comm.mask:
+            self._plans = {k: p for k, p in self._plans.items() if p.mask is self.slamb.comm.mask}
+            plan = self._plans[key] = Plan(self.slamb.layout, self.slamb.comm.mask, xp, groups)
+        return plan
+
+    def addresses(self, xp, role, a):
+        """The device table of addresses of ``a`` (a fused buffer, a list of arrays, or
+        :class:`~slamb_comm.device.Addresses`), copied to the device only when they are new."""
+        return self._tables.table(xp, role, a)
+
+    def _scratch(self, xp, name, n, dtype):
+        a = self._arrays.get(name)
+        if a is None or a.size < n or a.dtype != dtype:
+            a = self._arrays[name] = xp.zeros(max(1, n), dtype)
         return a
 
-    def freshness(self, t, beta3):
-        """Per chunk, and last for always-dense elements (1), the freshness after step t: a
-        float64 device row of C + 1 values; kept per chunk once the mask's first cycle is complete
-        (before, one copy per step)."""
-        mask = self.mask
-        if self.everything:
-            j, settled, stale = 0, True, [0] * self.C
-        else:
-            j = mask.chunk(t)
-            settled = int(t) - mask.origin > mask.num_chunks
-            stale = mask.staleness(t)
-        row = self._F.get(j) if settled else None
-        if row is None:
-            host = np.asarray([beta3**s for s in stale] + [1.0], np.float64)
-            row = host if self.xp is np else self.xp.asarray(host)
-            if settled:
-                self._F[j] = row
-        return row
+    def _const(self, xp, name, values):
+        """Per-tensor float64 constants: ``(scalar, table, 0)`` when all are equal (no table, no
+        copy: a schedule that changes them every step costs nothing), else ``(0.0, table, 1)``,
+        the table copied when the values change."""
+        if len(set(values)) <= 1:
+            return np.float64(values[0] if values else 0.0), self._scratch(xp, "one", 1, np.float64), np.int32(0)
+        key = (name, tuple(values))
+        table = self._consts.get(key)
+        if table is None:
+            self._consts = {k: v for k, v in self._consts.items() if k[0] != name}
+            table = self._consts[key] = xp.asarray(np.asarray(values, np.float64))
+        return np.float64(0.0), table, np.int32(1)
 
-    def positions(self, j):
-        """M_t's positions in the fused buffer for chunk j, increasing (the payload's order)."""
-        xp, C = self.xp, self.C
-        q = xp.arange(self.G, dtype=np.int64)
-        q *= C
-        q += xp.take(self.lut[j], self.h)
-        q = q[: self.Kc[j]]  # only the last group can select a unit past the end
-        pos = q + xp.take(self.shift, xp.searchsorted(self.unit_end, q, side="right"))
-        if self.dense_idx is None:
-            return pos
-        return xp.sort(xp.concatenate((self.dense_idx, pos)))
+    def _levels(self, xp, t):
+        """The current mask and those before it whose first cycle is not over at step t."""
+        mask = self.slamb.comm.mask
+        top = (mask.num_chunks, int(t) - mask.origin)
+        if mask.settled(t):
+            return _Levels(*top, 1, self._scratch(xp, "one64", 1, np.int64))
+        older = mask.levels()[::-1]  # newest first
+        rows = [(m.num_chunks, newer.origin - m.origin) for newer, m in zip(older, older[1:])]
+        key = ("levels", tuple(rows))
+        table = self._consts.get(key)
+        if table is None:
+            table = self._consts[key] = xp.asarray(np.asarray(rows, np.int64).reshape(-1))
+        return _Levels(*top, len(rows) + 1, table)
 
+    def _powers(self, xp):
+        """``beta3 ** n`` for n = 0 .. the largest C of the masks (float64, as the CPU step)."""
+        mask, b3 = self.slamb.comm.mask, self.slamb.beta3
+        cmax = max(m.num_chunks for m in mask.levels())
+        key = ("pw", b3, cmax)
+        table = self._consts.get(key)
+        if table is None:
+            table = self._consts[key] = xp.asarray(np.asarray([b3 ** s for s in range(cmax + 1)], np.float64))
+        return table
 
-def _segsum(xp, a, seg, ne, full, T):
-    """Per-tensor float64 sums of ``a`` over segments starting at ``seg`` (one entry per
-    tensor with elements; ``ne`` their indices, zeros for the others)."""
-    s = xp.add.reduceat(a, seg, dtype=np.float64)
-    if full:
-        return s
-    out = xp.zeros(T, np.float64)
-    out[ne] = s
-    return out
+    def payload(self, plan, t):
+        """The payload of step t's chunk (every group's values and status words), on the device."""
+        slamb = self.slamb
+        arena = self._scratch(plan.xp, "payload", int(plan.size.max()), slamb.comm.value_dtype)
+        return arena[: int(plan.size[_chunk(plan, t)])]
 
+    def group_payload(self, plan, t, group):
+        """Group ``group``'s part of :meth:`payload`: its values and its status word (one collective)."""
+        j = _chunk(plan, t)
+        return self.payload(plan, t)[int(plan.group_start[j, group]) : int(plan.status[j, group]) + 1]
 
-def applies(slamb, x, g, xp, skip):
-    """Whether the fused path can take this step (see the module docstring)."""
-    mask = slamb.comm.mask
-    want = slamb.fused if slamb.fused is not None else xp is not np
-    return (want and mask.kind == "cyclic" and mask.block == 1 and not skip and not slamb._fx  # noqa: SLF001
-            and mask.settled(slamb.t + 1) and len(slamb.layout) > 0
-            and hasattr(x, "shape") and hasattr(g, "shape"))
+    def _word(self, xp):
+        """Four flags the kernels share: the pack's bad-gradient flag and block counter, the update's
+        non-finite flag, and the last pack's verdict (kept for the failure path)."""
+        return self._scratch(xp, "word", 4, np.uint32)
 
+    # ------------------------------------------------------------------ kernels
+    def pack(self, plan, t, g, group=0, role="g"):
+        """Kernel 1 for one group of tensors: check this rank's gradients ``g`` and write its new
+        momentum on M_t, and the group's status word, into the payload. ``role`` names the cache of
+        ``g``'s table of addresses (one per group when each group's gradients live elsewhere, as
+        DDP's buckets do)."""
+        slamb, xp = self.slamb, plan.xp
+        lay, dt = slamb.layout, slamb.layout.dtype
+        j, T = _chunk(plan, t), len(lay)
+        gtab = self.addresses(xp, role, g)
+        arena = self.payload(plan, t)
+        vdt = arena.dtype
+        lo, hi = plan.tiles.group_tiles[group]
+        b1 = slamb.betas[0]
+        n = int(plan.tiles.elems[lo:hi].sum())
+        k = plan.k_of(j, group)
+        name = _k.kernel_name("pack", dt, vdt)
+        args = (*plan.tiles.table, np.int64(lo), np.int64(hi), gtab, plan.tiles.toff, plan.tshift,
+                plan.pbase[j * T : (j + 1) * T], slamb.m, arena, np.int64(plan.status[j, group]), np.float64(0.0),
+                np.float64(b1), np.float64(1.0 - b1), np.uint64(slamb.comm.mask.key), np.int64(plan.C), np.int64(j),
+                self._word(xp))
+        _k.launch(xp, name, min(hi - lo, _dev.GRID), args,
+                  reads=[("g", n * dt.itemsize), ("m on M_t", k * dt.itemsize), ("tables", (hi - lo) * 20 + T * 24)],
+                  writes=[("payload", (k + 1) * vdt.itemsize)])
 
-def step(slamb, x, g, lr=None, weight_decay=None, written=None):
-    """One whole SLAMB step on fused buffers ``x`` and ``g`` (see :meth:`Slamb.step`), as a
-    constant number of whole-buffer operations. Raises NonFiniteError on every rank (nothing
-    changed) if any rank's gradient is bad."""
-    lay = slamb.layout
-    x, g = _arr.as_array(x), _arr.as_array(g)
-    xp = _arr.namespace(x, g)
-    for name, a in (("parameters", x), ("gradients", g)):
-        if a.shape != (lay.total,) or a.dtype != lay.dtype:
-            raise LayoutError(f"{name}: expected a fused buffer of {lay.total} {lay.dtype.name}, "
-                              f"got {a.shape} {a.dtype.name}")
-    with _arr.device_scope(x):
-        slamb._ensure_state(xp, x)  # noqa: SLF001 (this module is Slamb's device step)
-        plan = slamb._plan(xp)  # noqa: SLF001
-        t = slamb.begin_step()
+    def exchange(self, plan, t, g):
+        """Step t's exchange after :meth:`pack` of every group: one allreduce of the payload and one
+        host read. NonFiniteError on every rank (nothing changed) if some rank's gradient was bad,
+        naming this rank's bad tensors."""
+        slamb = self.slamb
+        lay, comm = slamb.layout, slamb.comm
+        xp, j = plan.xp, _chunk(plan, t)
+        buf = self.payload(plan, t)
         try:
-            payload, pos = _exchange(slamb, plan, xp, x, g, t)
-        except BaseException:
-            slamb.abort_step()
-            raise
-        return _apply(slamb, plan, xp, x, g, t, payload, pos, lr, weight_decay, written)
+            comm.reduce_checked(buf, None, self._word(xp)[3], f"SLAMB momentum exchange at step {t}",
+                                spans=(plan.pstart[j], plan.counts[j]), status_in_buffer=True)
+        except NonFiniteError as e:  # the failure path: name this rank's bad tensors (host reads are fine)
+            names = _bad_tensors(lay, g, xp)
+            if not names:
+                raise
+            raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
+        self.record(plan, t)
+
+    def record(self, plan, t):
+        """Count step t's exchange of the payload in the communicator's statistics."""
+        lay, comm = self.slamb.layout, self.slamb.comm
+        j = _chunk(plan, t)
+        nbytes = int(plan.size[j]) * comm.value_dtype.itemsize
+        dense = lay.total * lay.dtype.itemsize
+        comm.stats.record("masked_allreduce", Traffic(
+            1, nbytes, allreduce_wire(nbytes, comm.size), dense, allreduce_wire(dense, comm.size), plan.k_of(j),
+            lay.total))
+
+    def apply(self, plan, t, x, g, scale, lr=None, weight_decay=None):
+        """Kernels 2 to 4 of step t: commit the moments with the exchanged payload (summed over the
+        ranks: ``scale`` = 1/P; already averaged: 1), then the trust ratios and the update of x."""
+        slamb, xp = self.slamb, plan.xp
+        lay, comm = slamb.layout, slamb.comm
+        dt, T, N = lay.dtype, len(lay), lay.total
+        j = _chunk(plan, t)
+        b1, b2 = slamb.betas
+        s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        eps_t = np.float64(slamb.eps * math.sqrt(1.0 - b2**t))
+        wd = self._const(xp, "wd", slamb.weight_decay if weight_decay is None else slamb.per_tensor(weight_decay, "weight_decay"))
+        lr = self._const(xp, "lr", slamb.lr if lr is None else slamb.per_tensor(lr, "lr"))
+        xtab, gtab = self.addresses(xp, "x", x), self.addresses(xp, "g", g)
+        arena = self.payload(plan, t)
+        nt, tiles = plan.tiles.count, plan.tiles
+        partials = self._scratch(xp, "partials", 4 * nt, np.float64)
+        rates = self._scratch(xp, "rates", 2 * T, np.float64)
+        word, key, tables = self._word(xp), np.uint64(comm.mask.key), nt * 20 + T * 24
+        grid, k, isz = min(nt, _dev.GRID), plan.k_of(j), dt.itemsize
+        _k.launch(xp, _k.kernel_name("moments", dt, arena.dtype), grid, (
+            *tiles.table, np.int64(nt), xtab, gtab, tiles.toff, plan.tshift, plan.pbase[j * T : (j + 1) * T], slamb.m,
+            slamb.v, arena,
+            np.float64(scale), np.float64(b1), np.float64(1.0 - b1), np.float64(b2), np.float64(1.0 - b2), eps_t,
+            *wd, np.float64(s_u), key, np.int64(plan.C), np.int64(j), partials),
+            reads=[("x, g, m, v", 4 * N * isz), ("means", k * arena.dtype.itemsize), ("tables", tables)],
+            writes=[("m, v", 2 * N * isz), ("partials", 32 * nt)])
+        _k.launch(xp, "slamb_trust", min(T, _dev.GRID), (
+            partials, tiles.tt0, tiles.ntt, np.int64(T), np.float64(s_u), *lr, np.float64(math.sqrt(comm.size)),
+            np.float64(slamb.c_min), np.float64(slamb.c_max), rates, word),
+            reads=[("partials", 32 * nt), ("tables", 16 * T)], writes=[("rates", 16 * T)])
+        lv = self._levels(xp, t)
+        _k.launch(xp, _k.kernel_name("update", dt), grid, (
+            *tiles.table, np.int64(nt), xtab, tiles.toff, plan.tshift, slamb.m, slamb.v, eps_t, *wd, np.float64(s_u),
+            rates, key,
+            np.int64(lv.C0), np.int64(lv.s0), np.int32(lv.count), lv.table, self._powers(xp), word),
+            reads=[("x, m, v", 3 * N * isz), ("rates", 16 * T), ("tables", tables)], writes=[("x", N * isz)])
+
+    def finish(self, t, x, written=None):
+        """Commit step t (its update applied), then the periodic sync of x after steps 1, H + 1, ..."""
+        slamb = self.slamb
+        slamb.end_step(t)
+        if written is not None:
+            for i in range(len(slamb.layout)):
+                written(i)
+        if (t - 1) % slamb.sync_interval == 0 and slamb.comm.size > 1:
+            word = self._word(slamb.xp)
+            slamb.comm.sync(x, written=written, bad=word[2])  # the update kernel's flag: x not finite
+        return x
+
+    def open_step(self, x, g):
+        """The next step's exchange on ``x`` (a fused buffer or a list of arrays; only read to know
+        the device) from this rank's gradient ``g`` (the same, or :class:`Addresses`): pack every
+        group, allreduce, check. Returns the open step for :meth:`close_step`; raises NonFiniteError
+        on every rank, with the step closed and nothing changed, if any rank's gradient is bad."""
+        slamb = self.slamb
+        first = _first_array(x)
+        xp = _arr.namespace(first)
+        with _arr.device_scope(first):
+            slamb.place(first)
+            plan = self.plan(xp)
+            t = slamb.begin_step()
+            try:
+                for k in range(len(plan.groups)):
+                    self.pack(plan, t, g, k)
+                self.exchange(plan, t, g)
+            except BaseException:
+                slamb.abort_step()
+                raise
+        return _OpenStep(plan, t)
+
+    def close_step(self, opened, x, g, lr=None, weight_decay=None, written=None):
+        """The update of :meth:`open_step`'s step with the summed payload, its commit and the
+        periodic sync."""
+        with _arr.device_scope(_first_array(x)):
+            self.apply(opened.plan, opened.t, x, g, 1.0 / self.slamb.comm.size, lr, weight_decay)
+            return self.finish(opened.t, x, written)
 
 
-def _exchange(slamb, plan, xp, x, g, t):
-    lay, comm = slamb.layout, slamb.comm
-    dt = lay.dtype
-    b1 = slamb.betas[0]
-    j = comm.mask.chunk(t) if plan.C > 1 else 0
-    K = int(plan.K[j])
-    pos = None if plan.everything else plan.positions(j)
-    payload = xp.empty(K + 1, comm.value_dtype)
-    tmp = slamb._buf(xp, "tmp", lay.total, dt)  # noqa: SLF001
-    if pos is None:
-        vals = _fuse(xp, "slamb_momentum", _momentum)(slamb.m, g, dt.type(b1), dt.type(1.0 - b1))
+class _OpenStep(NamedTuple):
+    """A step whose exchange is done and whose update is not (between open_step and close_step)."""
+
+    plan: Plan
+    t: int
+
+
+def _chunk(plan, t):
+    return plan.mask.chunk(t) if plan.C > 1 else 0
+
+
+def _first_array(x):
+    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+        return _arr.as_array(x)
+    for v in x:
+        return _arr.as_array(v)
+    raise LayoutError("no arrays given")
+
+
+def _bad_tensors(lay, g, xp):
+    """The names of the tensors whose gradient on this rank is not finite or overflows v (the
+    failure path: host reads)."""
+    if isinstance(g, _dev.Addresses):
+        views = [_arr.as_array(o).reshape(-1) for o in g.owners]
+    elif hasattr(g, "shape") or hasattr(g, "__dlpack__"):
+        views = lay.flat_views(_arr.as_array(g))
     else:
-        vals = _fuse(xp, "slamb_momentum", _momentum)(xp.take(slamb.m, pos), xp.take(g, pos),
-                                                      dt.type(b1), dt.type(1.0 - b1))
-    _arr.cast_into(payload[:K], vals)
-    del vals
-    # a NaN or Inf, or an element whose square overflows v (|g| >= sqrt of the dtype's max)
-    with np.errstate(over="ignore", invalid="ignore"):  # NumPy: an overflowing square is what is checked
-        bad = ~xp.isfinite(xp.sum(xp.square(g, out=tmp), dtype=np.float64))
-    try:
-        comm.reduce_checked(payload, None, bad, f"SLAMB momentum exchange at step {t}",
-                            spans=(plan.starts[j, :-1], plan.counts[j]))
-    except NonFiniteError as e:  # the failure path: name this rank's bad tensors (host reads are fine)
-        names = [lay.names[i] for i, v in enumerate(lay.flat_views(g))
-                 if v.size and not bool(xp.isfinite(xp.sum(xp.square(v), dtype=np.float64)))]
-        if not names:
-            raise
-        raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
-    nbytes = payload.size * payload.dtype.itemsize
-    dense = lay.total * dt.itemsize
-    comm.stats.record("masked_allreduce", Traffic(
-        1, nbytes, allreduce_wire(nbytes, comm.size), dense, allreduce_wire(dense, comm.size), K, lay.total))
-    return payload, pos
-
-
-def _apply(slamb, plan, xp, x, g, t, payload, pos, lr, weight_decay, written):
-    lay, comm = slamb.layout, slamb.comm
-    dt = lay.dtype.type
-    N, T, C = lay.total, len(lay), plan.C
-    P = comm.size
-    b1, b2 = slamb.betas
-    lr = slamb.lr if lr is None else slamb._per_tensor(lr, "lr")  # noqa: SLF001
-    wd = slamb.weight_decay if weight_decay is None else slamb._per_tensor(weight_decay, "weight_decay")  # noqa: SLF001
-    m, v = slamb.m, slamb.v
-    tmp = slamb._buf(xp, "tmp", N, lay.dtype)  # noqa: SLF001
-    w = slamb._buf(xp, "u", N, lay.dtype)  # noqa: SLF001
-    # 1. the moments, in place (every rank's status came back good)
-    m *= dt(b1)
-    xp.multiply(g, dt(1.0 - b1), out=tmp)
-    m += tmp
-    xp.multiply(g, g, out=tmp)
-    tmp *= dt(1.0 - b2)
-    v *= dt(b2)
-    v += tmp
-    # 2. M_t's means
-    j = comm.mask.chunk(t) if C > 1 else 0
-    K = int(plan.K[j])
-    means = _arr.cast(payload[:K], lay.dtype, copy=False)
-    if P > 1:
-        means = means * dt(1.0 / P)
-    if pos is None:
-        m[...] = means
-    else:
-        m[pos] = means
-    del means
-    # 3. the direction w = m / (sqrt(v) + eps sqrt(1-b2^t)) + (wd / s_u) x, u = s_u w
-    s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-    xp.sqrt(v, out=w)
-    w += dt(slamb.eps * math.sqrt(1.0 - b2**t))
-    xp.divide(m, w, out=w)
-    wdt = plan.per_tensor("wd", wd)
-    if isinstance(wdt, float):
-        if wdt:
-            xp.multiply(x, dt(wdt / s_u), out=tmp)
-            w += tmp
-    else:  # per element from the (tensor, chunk) index: a table of T (C + 1) entries
-        table = xp.repeat((wdt * (1.0 / s_u)).astype(lay.dtype), C + 1)
-        xp.take(table, plan.cidx, out=tmp)
-        tmp *= x
-        w += tmp
-    # 4. the per-tensor squared norms: all of x and u, and M_t's part of them
-    xx = _segsum(xp, xp.square(x, out=tmp), plan.seg, plan.ne, plan.all_full, T)
-    ww = _segsum(xp, xp.square(w, out=tmp), plan.seg, plan.ne, plan.all_full, T)
-    if pos is None:
-        xs, ws = xx, ww
-    else:
-        xs = _segsum(xp, xp.square(xp.take(x, pos)), plan.pseg[j], plan.pne[j], plan.pfull[j], T)
-        ws = _segsum(xp, xp.square(xp.take(w, pos)), plan.pseg[j], plan.pne[j], plan.pfull[j], T)
-    # 5. trust ratios and rates of every tensor (one fused function), then the coefficient table
-    lr_t = plan.per_tensor("lr", lr)
-    rate_s, rate_a = _rate_pair(xp)(xx, ww, xs, ws, s_u * s_u, lr_t, s_u, 1.0 / math.sqrt(P),
-                                    slamb.c_min, slamb.c_max)
-    # 6. x -= (rate_S f + rate_A (1 - f)) u, per element from a (tensor, chunk) table
-    F = plan.freshness(t, slamb.beta3)
-    table = _coefficients(xp)(rate_a[:, None], rate_s[:, None], F[None, :]).astype(lay.dtype)
-    coef = xp.take(table.reshape(-1), plan.cidx, out=tmp)
-    coef *= w
-    x -= coef
-    # 7. commit, then the periodic sync
-    slamb.t = t
-    slamb._t_open = None  # noqa: SLF001
-    slamb._payload = None  # noqa: SLF001
-    if written is not None:
-        for i in range(T):
-            written(i)
-    if (t - 1) % slamb.sync_interval == 0 and P > 1:
-        finite = xp.isfinite(xp.sum(xp.square(x, out=tmp), dtype=np.float64))
-        comm.sync(x, written=written, finite=finite)
-    return x
-
-
-def _rate_pair(xp):
-    """The fused function on one entry per tensor: ``(rate_S, rate_A)`` = ``(lr s_u phi_S,
-    lr s_u / sqrt(P) phi_A)`` from the four squared norms (float64) and ``s2 = s_u^2``."""
-    def pair(xx, ww, xs, ws, s2, lr, s_u, inv_sqrt_p, c_min, c_max):
-        phi_s = _trust(xp, xs, ws * s2, c_min, c_max)
-        phi_a = _trust(xp, xp.maximum(xx - xs, 0.0), xp.maximum(ww - ws, 0.0) * s2, c_min, c_max)
-        return lr * s_u * phi_s, lr * s_u * inv_sqrt_p * phi_a
-    return _fuse(xp, "slamb_rate_pair", pair)
-
-
-def _coefficients(xp):
-    """The fused function of the (tensor, chunk) table ``rate_A + (rate_S - rate_A) f``."""
-    return _fuse(xp, "slamb_coefficients", _blend)
+        views = [_arr.as_array(v).reshape(-1) for v in g]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return [lay.names[i] for i, v in enumerate(views)
+                if v.size and not bool(xp.isfinite(xp.square(v)).all())]

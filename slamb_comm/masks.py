@@ -338,15 +338,19 @@ class CyclicMask(_Mask):
             return self.layout.sizes[i]
         return geo.count(j)
 
-    def element_chunks(self, i):
-        """The chunk of every element of compressible tensor ``i`` (a host int64 array; O(size):
-        built once by the fused step's plan)."""
-        return self._geo[i].chunks(0, self.layout.sizes[i], np)
+    @property
+    def key(self):
+        """The 64-bit key of the mask's hash, from the seed: ``h(g) = ((mix(key + g + G1) >> 32) C) >> 32``
+        (what the device kernels compute per element)."""
+        return self._key
 
-    def group_rotations(self, groups, xp=np):
-        """h(g) of the groups ``0 <= g < groups`` of the whole buffer's units (what each tensor's
-        geometry gives for its own groups), in the smallest unsigned dtype that holds C values."""
-        return _Geometry(0, 0, self.block, self.num_chunks, 0, self._key).rotations(0, groups, xp)
+    def first_unit(self, i):
+        """The number of compressible tensor ``i``'s first unit in fused-buffer order."""
+        return self._geo[i].qs
+
+    def rotation(self, g):
+        """h(g) of the buffer's group ``g`` (host integer)."""
+        return ((_mix((self._key + int(g) + _G1) & _M64) >> 32) * self.num_chunks) >> 32
 
     def staleness(self, t):
         """Per chunk c, the steps since its elements were last synchronised, at step t (after

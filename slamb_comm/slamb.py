@@ -27,10 +27,11 @@ What it costs (N parameters, fp32):
   stay on the device.
 * **Time on the CPU**: cache-sized blocks; the moments, the direction and the norms in one
   pass over each tensor, the update in a second.
-* **Device operations on a GPU**: with fused buffers (one array of parameters, one of
-  gradients), :mod:`slamb_comm.fused` does the step in a constant number of whole-buffer
-  operations (about 50, 63 on a sync step, at any number of tensors); lists of arrays go
-  tensor by tensor (about 150 operations per tensor).
+* **On a GPU**: :mod:`slamb_comm.fused` runs the step as four kernels over a table of tiles
+  (:mod:`slamb_comm.kernels`), on a fused buffer or a list of arrays alike: about 46 bytes of
+  device traffic per parameter (``AdamW(fused=True)``: 28), 7 device operations at any number of
+  tensors, m and v plus the payload in memory (about 8.4 bytes per parameter), no host-to-device
+  copy once its tables are built.
 
 Tuning guide (from the paper and docs/algorithm.md section 5):
 
@@ -135,8 +136,8 @@ class Slamb(TensorwiseStep):
         self.beta3 = float(beta3)
         self.sync_interval = int(sync_interval)
         self.c_min, self.c_max = float(c_min), float(c_max)
-        self.lr = self._per_tensor(lr, "lr")
-        self.weight_decay = self._per_tensor(weight_decay, "weight_decay")
+        self.lr = self.per_tensor(lr, "lr")
+        self.weight_decay = self.per_tensor(weight_decay, "weight_decay")
         if on_nonfinite not in ("skip", "raise"):
             raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
@@ -154,16 +155,19 @@ class Slamb(TensorwiseStep):
         self._fx = {}
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
-        #: whether :meth:`step` takes the fused whole-buffer path (:mod:`slamb_comm.fused`) where it
-        #: applies: None (default) on a device only, True also on NumPy (tests), False never
+        #: whether :meth:`step` takes the device kernels (:mod:`slamb_comm.fused`) for device arrays:
+        #: None (default) where they apply, False never (tensor by tensor); NumPy arrays always go
+        #: tensor by tensor (cache-sized blocks are the fast way on a CPU)
         self.fused = None
-        self._plans = {}
+        #: the fused step's device state (plans, address tables, payload): :class:`~slamb_comm.fused.DeviceStep`
+        self.device = _fused.DeviceStep(self)
+        self._device_open = None  # the device step between exchange_step and apply_step
 
     def agree_options(self, lr=None, weight_decay=None):
         """Collective: every rank must have the same options (else ConfigError everywhere).
         ``lr`` and ``weight_decay``, if given, are the values the next step will use."""
-        lr = self.lr if lr is None else self._per_tensor(lr, "lr")
-        weight_decay = self.weight_decay if weight_decay is None else self._per_tensor(weight_decay, "weight_decay")
+        lr = self.lr if lr is None else self.per_tensor(lr, "lr")
+        weight_decay = self.weight_decay if weight_decay is None else self.per_tensor(weight_decay, "weight_decay")
         opts = (self.betas, self.eps, self.beta3, self.sync_interval, self.c_min, self.c_max, lr,
                 weight_decay, self.on_nonfinite)
         mine = np.frombuffer(self.layout.digest(*opts), dtype=np.int64).copy()
@@ -180,7 +184,8 @@ class Slamb(TensorwiseStep):
                 f"on_nonfinite={self.on_nonfinite!r}"
             )
 
-    def _per_tensor(self, value, name):
+    def per_tensor(self, value, name):
+        """``value`` (a float, or one per tensor) as one float per tensor, checked (>= 0, finite)."""
         n = len(self.layout)
         if np.isscalar(value):
             vals = [float(value)] * n
@@ -219,14 +224,21 @@ class Slamb(TensorwiseStep):
         like = _arr.as_array(like)
         self._ensure_state(_arr.namespace(like), like)
 
-    def _plan(self, xp):
-        """The fused step's constants for this layout, mask and device (built at first use, and
-        again when the mask changes: a ratio schedule, a load)."""
-        key = (xp.__name__, None if xp is np else xp.cuda.Device().id)
-        plan = self._plans.get(key)
-        if plan is None or plan.mask is not self.comm.mask:
-            plan = self._plans[key] = _fused.Plan(self, xp)
-        return plan
+    @property
+    def has_stored_freshness(self):
+        """Whether some tensor's freshness is stored (cyclic mask: it once skipped a step), not derived."""
+        return bool(self._fx or (self._host or {}).get("fx"))
+
+    def end_step(self, t):
+        """Commit step ``t``, whose update has been applied: it becomes the last step."""
+        if self._t_open != t:
+            raise RuntimeError(f"step {t} is not the open step ({self._t_open})")
+        self.t = t
+        self._t_open = None
+        self._payload = None
+        self._picks = {}
+        self._rot = {}
+        self._local = {}
 
     def _buf(self, xp, name, n, dtype):
         """A reusable scratch array of at least ``n`` elements (first ``n`` returned)."""
@@ -337,21 +349,30 @@ class Slamb(TensorwiseStep):
         """One whole SLAMB step: ``x`` updated in place from this rank's gradient ``g``.
 
         ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
-        read sequences, with ``written`` as in :meth:`apply`). On a device, fused buffers take the
-        whole-buffer step of :mod:`slamb_comm.fused` (a constant number of device operations
-        whatever the number of tensors; :attr:`fused` chooses), lists the tensor-by-tensor one. ``skip``: tensors without a
-        gradient on every rank (the same on every rank; see :meth:`apply`); they still take
-        part in the exchange with whatever ``g`` holds for them (zeros).
+        read sequences, with ``written`` as in :meth:`apply`; ``g`` also
+        :class:`~slamb_comm.device.Addresses`). On a device the step runs as the kernels of
+        :mod:`slamb_comm.fused` (a constant number of device operations whatever the number of
+        tensors; :attr:`fused` chooses); on the CPU tensor by tensor. ``skip``: tensors without a
+        gradient on every rank (the same on every rank; see :meth:`apply`); they still take part
+        in the exchange with whatever ``g`` holds for them (zeros). It is :meth:`exchange_step`
+        then :meth:`apply_step`.
         """
-        xp = _arr.namespace(_arr.as_array(x)) if hasattr(x, "shape") or hasattr(x, "__dlpack__") else None
+        try:
+            self.exchange_step(x, g, skip)
+        except NonFiniteError as e:
+            return self._skip(e, x)
+        return self.apply_step(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
+
+    def exchange_step(self, x, g, skip=()):
+        """The first half of :meth:`step`: open the next step, take this rank's gradients ``g`` and run
+        the momentum exchange. Nothing is changed yet: a NonFiniteError (on every rank alike) leaves
+        the step closed and the state as it was. So several optimizers (buckets) can all exchange
+        before any of them updates, and skip together."""
+        xp = None if self.fused is False else _namespace_of(x)
         if xp is not None and _fused.applies(self, x, g, xp, skip):
-            t0 = self.t
-            try:
-                return _fused.step(self, x, g, lr=lr, weight_decay=weight_decay, written=written)
-            except NonFiniteError as e:
-                if self.t != t0:  # the update was applied; the periodic sync failed: raise, as apply() does
-                    raise
-                return self._skip(e, x)
+            self._device_open = self.device.open_step(x, g)
+            return
+        self._device_open = None
         self.begin_step()
         try:
             gv = _views(self.layout, g)
@@ -360,10 +381,15 @@ class Slamb(TensorwiseStep):
         except Exception:
             self.abort_step()
             raise
-        try:
-            self.exchange(g)
-        except NonFiniteError as e:
-            return self._skip(e, x)
+        self.exchange(g)
+
+    def apply_step(self, x, g, lr=None, weight_decay=None, written=None, skip=()):
+        """The second half of :meth:`step`, after :meth:`exchange_step`: the update of ``x`` and the
+        periodic sync (which raises NonFiniteError on every rank if some rank's parameters are not
+        finite: the step was applied)."""
+        opened, self._device_open = self._device_open, None
+        if opened is not None:
+            return self.device.close_step(opened, x, g, lr, weight_decay, written)
         return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
 
     def _skip(self, e, x):
@@ -374,3 +400,12 @@ class Slamb(TensorwiseStep):
         log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
                     self.t + 1, self.skipped_steps, e)
         return x
+
+
+def _namespace_of(x):
+    """NumPy or CuPy, from a fused buffer or the first array of a list (None for an empty list)."""
+    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+        return _arr.namespace(_arr.as_array(x))
+    for v in x:
+        return _arr.namespace(_arr.as_array(v))
+    return None

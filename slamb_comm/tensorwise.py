@@ -16,6 +16,7 @@ import numpy as np
 from . import arrays as _arr
 from .codecs import per_tensor
 from .errors import LayoutError, NonFiniteError
+from .device import Addresses
 from .masks import BLOCK
 from .stats import Traffic, allreduce_wire
 
@@ -48,6 +49,7 @@ class TensorwiseStep:
     def abort_step(self):
         """Abandon the open step: nothing it computed is kept."""
         self._t_open = None
+        self._device_open = None
         self._payload = None
         self._picks = {}
         self._rot = {}
@@ -242,8 +244,8 @@ class TensorwiseStep:
         """
         t = self._open()
         lay, comm = self.layout, self.comm
-        lr = self.lr if lr is None else self._per_tensor(lr, "lr")
-        wd = self.weight_decay if weight_decay is None else self._per_tensor(weight_decay, "weight_decay")
+        lr = self.lr if lr is None else self.per_tensor(lr, "lr")
+        wd = self.weight_decay if weight_decay is None else self.per_tensor(weight_decay, "weight_decay")
         xv, gv = _views(lay, x), _views(lay, grads)
         if means is None:
             if self._payload is None:
@@ -263,7 +265,7 @@ class TensorwiseStep:
             F = [self.beta3 ** s for s in comm.mask.staleness(t)]
         xp = None
         sync = (t - 1) % self.sync_interval == 0 and P > 1
-        finite = True  # of the updated parameters, checked in the update's own pass on sync steps
+        bad = False  # whether some updated parameter is not finite, from the update's own pass on sync steps
         for i in range(len(lay)):
             n = lay.sizes[i]
             if n == 0:
@@ -287,18 +289,12 @@ class TensorwiseStep:
             with _arr.device_scope(xi):
                 fin = self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F, sync)
             if sync:
-                finite = (finite and bool(fin)) if xp is np else (finite & fin)
+                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
             if written is not None:
                 written(i)
-        # Commit the step count before the sync, which may raise (then on every rank alike).
-        self.t = t
-        self._t_open = None
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
+        self.end_step(t)  # before the sync, which may raise (then on every rank alike)
         if sync:
-            comm.sync(x, written=written, finite=finite)
+            comm.sync(x, written=written, bad=bad)
         return x
 
     def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F, check=False):
@@ -441,7 +437,10 @@ def _starts(counts):
 
 
 def _views(layout, x):
-    """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, or a lazy sequence."""
+    """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, a lazy sequence, or
+    :class:`~slamb_comm.device.Addresses` (read through the arrays that own them)."""
+    if isinstance(x, Addresses):
+        x = x.owners
     if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
         flat = _arr.as_array(x)
         if flat.shape != (layout.total,) or flat.dtype != layout.dtype:

@@ -65,13 +65,13 @@ class StockRec(Recorder, transformers.Trainer):
 
 
 class Bytes(transformers.TrainerCallback):
+    """Each optimizer step's bytes, as SlambTrainer recorded them (``last_traffic``)."""
+
     def __init__(self, trainer):
         self.trainer, self.steps = trainer, []
 
     def on_step_end(self, args, state, control, **kw):
-        hs = self.trainer.hook_state
-        src = hs if isinstance(hs, st.TopKHookState) else self.trainer.optimizer.optimizer
-        self.steps.append(src.step_traffic())
+        self.steps.append(self.trainer.last_traffic)
 
 
 def args(out, **kw):
@@ -320,6 +320,140 @@ def case_accelerate(out, rank):
     res.update(slamb_maxdiff=diff, slamb_hook_calls=7, topk_step_bytes=traffic[-1].payload_bytes,
                topk_ratio=traffic[-1].ratio)
     return res
+
+
+# ----------------------------------------------------------------------------- issue 37: the saved model, bytes, lr
+def tiny_gpt2():
+    """Issue 37's model: GPT-2 with 2 layers, d = 64, context 64, 256 byte ids (120,576 parameters;
+    the output layer is tied to the input embedding)."""
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def byte_dataset(n, seed=100):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n, 64), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def case_saved_mean(out, rank):
+    """The tiny GPT-2 under SlambTrainer, SLAMB ratio 0.1 with H = 100, 30 steps, checkpoints every
+    15 steps, a log every step: each rank writes its own parameters; save_model() on every rank;
+    a new Trainer resumed from checkpoint-15 ends bitwise where the uninterrupted run did; the
+    bytes are in the log history."""
+    def train(resume=None):
+        targs = args(os.path.join(out, "run" if resume is None else "resumed"), max_steps=30,
+                     per_device_train_batch_size=4, save_strategy="steps", save_steps=15, logging_strategy="steps",
+                     logging_steps=1, learning_rate=0.01)
+        targs.device  # sets up the process group
+        model = tiny_gpt2()
+        t = hf.SlambTrainer(model=model, args=targs, train_dataset=byte_dataset(30 * 2 * 4),
+                            slamb={"ratio": 0.1, "beta3": 0.9, "sync_interval": 100})
+        t.add_callback(Bytes(t))
+        t.train(resume_from_checkpoint=resume)
+        return t, model
+
+    t, model = train()
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(own, os.path.join(out, f"own.{rank}.pt"))
+    assert not replicas_agree(flat(model)), "the replicas should differ at step 30 (H = 100)"
+    t.save_model(os.path.join(out, "final"))  # on every rank: the mean is an allreduce
+    assert all(torch.equal(v, own[k]) for k, v in model.state_dict().items()), "save_model changed the live model"
+    steps = t.callback_handler.callbacks[-1].steps
+    logged = [h for h in t.state.log_history if "slamb/payload_bytes" in h]
+    _, resumed = train(resume=os.path.join(out, "run", "checkpoint-15"))
+    diff = (flat(resumed) - flat(model)).abs().max()
+    assert torch.equal(flat(resumed), flat(model)), f"the resumed run differs by {diff}"
+    return {"payload": [x.payload_bytes for x in steps], "of_dense": [x.ratio for x in steps],
+            "logged_payload": [h["slamb/payload_bytes"] for h in logged],
+            "logged_of_dense": [h["slamb/of_dense"] for h in logged]}
+
+
+def case_lr_warning(out, rank):
+    """SlambTrainer warns once, on rank 0, when the lr looks like AdamW's (1e-3), naming the lr to
+    start from, and keeps the lr; at 1e-2 it says nothing."""
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("slamb_comm").addHandler(Keep())
+    t, _ = run(SlambRec, out, 2, slamb={"ratio": 0.1}, learning_rate=1e-3)
+    assert t.optimizer.param_groups[0]["lr"] == 1e-3
+    warned = [m for m in seen if "looks like an AdamW" in m]
+    assert len(warned) == (1 if rank == 0 else 0), seen
+    run(SlambRec, out, 2, slamb={"ratio": 0.1}, learning_rate=1e-3)  # once per process
+    assert len([m for m in seen if "looks like an AdamW" in m]) == len(warned), seen
+    return {"warning": warned[0] if warned else None}
+
+
+def case_accelerate_saved_mean(out, rank):
+    """Accelerate + install(), SLAMB ratio 0.1 with H = 100, 30 steps, accelerator.log(step_metrics(state))
+    every step into a tracker: save_state + save_rank_state at step 15; at step 30 each rank writes
+    its own parameters, get_state_dict's and save_model's weights (the test compares them with the
+    float64 mean); load_state + load_rank_state at step 15 resume bitwise."""
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class Memory(GeneralTracker):
+        name, requires_logging_directory = "memory", False
+
+        def __init__(self):
+            super().__init__()
+            self.logged = []
+
+        @property
+        def tracker(self):
+            return self.logged
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append(dict(values, step=step))
+
+    data = dataset(30 * 2 * BATCH)
+
+    def loop(start=None):
+        tracker = Memory()
+        acc = Accelerator(cpu=True, log_with=[tracker])
+        acc.init_trackers("slamb")
+        model = Tiny()
+        opt = st.SLAMB(model.parameters(), **{**SLAMB_KW, "ratio": 0.1, "sync_interval": 100})
+        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=transformers.default_data_collator)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        if start is not None:
+            acc.load_state(start)
+            hf.load_rank_state(start, model, opt)
+        state = hf.install(model, opt)
+        for i, b in enumerate(loader):
+            if start is not None and i < 15:
+                continue
+            opt.zero_grad()
+            acc.backward(model(**b)["loss"])
+            opt.step()
+            acc.log(hf.step_metrics(state), step=i + 1)
+            if i + 1 == 15 and start is None:
+                acc.save_state(os.path.join(out, "acc15"))
+                hf.save_rank_state(os.path.join(out, "acc15"), model, opt)
+        return acc, model, tracker
+
+    acc, model, tracker = loop()
+    own = {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    torch.save(own, os.path.join(out, f"own.{rank}.pt"))
+    assert not replicas_agree(flat(model.module)), "the replicas should differ at step 30 (H = 100)"
+    got = acc.get_state_dict(model)  # every rank: an allreduce
+    acc.save_model(model, os.path.join(out, "acc_final"))
+    if rank == 0:
+        torch.save(got, os.path.join(out, "acc_get_state_dict.pt"))
+    _, resumed, _ = loop(start=os.path.join(out, "acc15"))
+    assert torch.equal(flat(resumed.module), flat(model.module)), "Accelerate: the resumed run differs"
+    return {"logged": tracker.logged}
 
 
 def main():

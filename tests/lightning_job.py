@@ -67,15 +67,13 @@ def trainer(strategy, out, **kw):
 
 
 class Traffic(L.Callback):
-    """Each optimizer step's bytes (a slamb_comm.Traffic), from the optimizer (SLAMB) or the top-k hook state."""
+    """Each optimizer step's bytes (a slamb_comm.Traffic), as the strategy recorded them (``last_traffic``)."""
 
     def __init__(self, strategy):
         self.strategy, self.steps = strategy, []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, i):
-        st_ = self.strategy.hook_state
-        src = st_ if isinstance(st_, st.TopKHookState) else self.strategy.optimizers[0]
-        self.steps.append(src.step_traffic())
+        self.steps.append(self.strategy.last_traffic)
 
 
 def flat(module):
@@ -310,6 +308,35 @@ def case_resize(out, rank):
         trainer(_resume_arm(name)[1], out, devices=1, max_epochs=2).fit(model, loader(rank, 6), ckpt_path=ckpt)
         assert torch.isfinite(flat(model)).all() and not torch.equal(flat(model), before), name
     return res
+
+
+def case_saved_mean(out, rank):
+    """Issue 37: SLAMB ratio 0.1, H = 100 (no sync after step 1), bf16-mixed, gradient_clip_val=1.0,
+    30 steps (2 epochs of 15) with ModelCheckpoint every epoch and a CSVLogger. Each rank writes its own parameters at
+    the end; the test compares checkpoint 30's state_dict with their float64 mean, and its per-rank
+    files with each rank's own. A new Trainer resumed from checkpoint 15 ends bitwise where the
+    uninterrupted run did, on each rank. The logger's metrics.csv carries each step's bytes."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    def fit(ckdir, ckpt=None, log=None):
+        strategy = SlambDDPStrategy()
+        model = Net(slamb(ratio=0.1, sync_interval=100))
+        cb = ModelCheckpoint(dirpath=os.path.join(out, ckdir), filename="{step}", save_top_k=-1)  # every epoch
+        callbacks = [cb] + ([log(strategy)] if log else [])
+        trainer(strategy, out, max_epochs=2, precision="bf16-mixed", gradient_clip_val=1.0, enable_checkpointing=True,
+                callbacks=callbacks, log_every_n_steps=1, logger=CSVLogger(out, name="logs", version=0) if log else
+                False).fit(model, loader(rank, 15), ckpt_path=ckpt)  # 2 epochs of 15 steps: resumable at step 15
+        return model, callbacks[-1]
+
+    model, log = fit("ck", log=Traffic)
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(own, os.path.join(out, f"own.{rank}.pt"))
+    assert not replicas_agree(model), "the replicas should differ at step 30 (H = 100): the test would prove nothing"
+    resumed, _ = fit("ck_resumed", ckpt=os.path.join(out, "ck", "step=15.ckpt"))
+    diff = (flat(resumed) - flat(model)).abs().max()
+    assert torch.equal(flat(resumed), flat(model)), f"the resumed run differs by {diff}"
+    return {"payload": [t.payload_bytes for t in log.steps], "of_dense": [t.ratio for t in log.steps],
+            "wire": [t.wire_bytes for t in log.steps]}
 
 
 def main():

@@ -389,3 +389,24 @@ def test_peers_benchmark_table_with_an_allreduce_and_an_allgather_method(tmp_pat
     assert w4 == pytest.approx(pay * 4 / 2, abs=0.011)
     assert w1024 == pytest.approx(pay * 1024 / 2, abs=0.005 * 512 + 0.01)
     assert table["adamw"][6] == "100.00%"
+
+
+# ---------------------------------------------------------------------------- lr table (issue 37)
+def test_lr_table_quick_writes_csv_and_table(tmp_path):
+    """benchmarks/lr_table.py --quick: one torchrun launch at 2 ranks, both models, one lr per
+    method, 3 steps; a CSV row per run with SLAMB's step-1 and step-2 payload, and the table."""
+    out_dir = tmp_path / "lr"
+    proc = subprocess.run([sys.executable, "benchmarks/lr_table.py", "--quick", "--timeout", "240", "--out",
+                           str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out_dir / "lr_table.csv")))
+    assert sorted((r["model"], r["method"]) for r in rows) == sorted(
+        (m, k) for m in ("gpt2", "lm") for k in ("adamw", "lamb", "slamb"))
+    assert {int(r["params"]) for r in rows if r["model"] == "gpt2"} == {120576}
+    assert all(r["ranks"] == "2" and r["steps"] == "3" and 0 < float(r["val_loss"]) < 6 for r in rows)
+    gpt2 = next(r for r in rows if r["model"] == "gpt2" and r["method"] == "slamb")
+    # ratio 0.1 on the tiny GPT-2: 0.205 of dense (its 4,096-element tensors go whole); step 1 adds the sync
+    assert abs(float(gpt2["payload_step2"]) - 0.2053) < 0.001
+    assert abs(float(gpt2["payload_step1"]) - 1 - float(gpt2["payload_step2"])) < 0.001
+    table = (out_dir / "lr_table.md").read_text()
+    assert "| lr | adamw | lamb | slamb |" in table and "**gpt2** (120,576 parameters)" in table

@@ -181,11 +181,14 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def step_counts(n_tensors, distributed=False, steps=10):
+def step_counts(n_tensors, distributed=False, steps=10, new_grads=False):
     """One settled step's (torch operations, the core's device operations, host-to-device
     copies, host reads) with ``n_tensors`` parameters of 3,200 or 64 elements, on flat buffers:
     ``SLAMB(fused=True)`` alone, or wrapped by ``DistributedOptimizer`` (the step then holds the
-    agreement, the step's decision and the exchange; gradients are set, not computed)."""
+    agreement, the step's decision and the exchange; gradients are set, not computed). The
+    gradients are read where they are: written in place each step (as backward() accumulates into
+    ``.grad``), or, with ``new_grads``, new tensors each step, whose addresses the CPU's allocator
+    does not repeat (the core then copies its table of gradient addresses once per step)."""
     from slamb_comm.adapters.torch import DistributedOptimizer
 
     torch.manual_seed(0)
@@ -193,13 +196,17 @@ def step_counts(n_tensors, distributed=False, steps=10):
     opt = SLAMB(ps, lr=0.01, ratio=0.25, beta3=0.9, sync_interval=1000, dense_threshold=60, fused=True)
     if distributed:
         opt = DistributedOptimizer(opt, named_parameters=[(f"p{i}", p) for i, p in enumerate(ps)])
-    assert isinstance(opt._engines[0].flat.arrays[0], strict_cupy.ndarray)
+    assert isinstance(opt._engines[0].flat.array, strict_cupy.ndarray)
     for t in range(steps):  # the last one is settled (after the mask's first cycle: C = 4)
         for i, p in enumerate(ps):
-            p.grad = torch.full_like(p, 0.01 * (i % 7 - 3) + 0.001 * t)
+            if new_grads or p.grad is None:
+                p.grad = torch.full_like(p, 0.01 * (i % 7 - 3) + 0.001 * t)
+            else:
+                p.grad.fill_(0.01 * (i % 7 - 3) + 0.001 * t)
         aten = strict_cupy.aten_counter()
         with strict_cupy.counting() as c, aten:
             opt.step()
+    assert not any(op.startswith("_foreach_copy") for op in aten.by_op), f"a gradient was copied: {aten.by_op}"
     return aten.n, c.launches, c.h2d, c.syncs
 
 
@@ -209,6 +216,15 @@ def test_flat_step_operations_are_constant_in_the_number_of_tensors(on_the_doubl
     aten, launches, h2d, syncs = got[10]
     assert aten + launches <= 64, got
     assert h2d == 0 and syncs <= 1, got
+
+
+def test_new_gradient_tensors_cost_one_copy_of_their_addresses(on_the_double):
+    """Gradients made anew each step are read where they are too: no copy of the gradients, and at
+    most one host-to-device copy (their table of addresses) per step, whatever their number."""
+    got = {n: step_counts(n, new_grads=True) for n in (10, 100, 1000)}
+    assert got[10] == got[100] == got[1000], got
+    aten, launches, h2d, syncs = got[10]
+    assert aten + launches <= 64 and h2d <= 1 and syncs <= 1, got
 
 
 def test_distributed_flat_step_operations_are_constant_in_the_number_of_tensors(on_the_double, one_rank_group):

@@ -1,16 +1,26 @@
-"""SLAMB's whole-buffer step (slamb_comm/fused.py), the default on a device, on one process:
+"""SLAMB's device step (slamb_comm/fused.py: the kernels of slamb_comm/kernels.py), on one process.
 
-* its positions of M_t are the cyclic mask's, bitwise, at every step of a cycle;
-* on NumPy and on the strict CuPy double it takes the steps of the tensor-by-tensor path
-  (within float32 rounding: the sums run in another order), with always-dense tensors, per-tensor
-  learning rates and weight decays, a float16 payload, and a periodic sync;
+The kernels run here through the strict CuPy double, which compiles their CUDA source for the
+host and executes it (tests/strict_cupy.py), so every line of their arithmetic runs in CI:
+
+* the payload the pack kernel writes is, bit for bit, the CPU path's payload (the cyclic mask's
+  positions in its order, the same values), at every step of a cycle and the first cycle;
+* the plan's per-chunk counts are the mask's;
+* the whole step takes the tensor-by-tensor path's steps (within float32 rounding: sums run in
+  another order) with always-dense tensors, per-tensor learning rates and weight decays, float16
+  and float64 payloads, a periodic sync, a list of arrays instead of a fused buffer, and ratio
+  changes within a cycle;
 * a non-finite gradient fails the step with nothing changed, naming the tensor;
-* on the double, its device operations, host-to-device copies and host reads per step are
-  counted at 10, 100 and 1,000 tensors: the same at every tensor count, <= 64 per step.
+* per step, at 10, 100 and 1,000 tensors: the same device operations (<= 16), no host-to-device
+  copy, one host read, <= 56 bytes of device traffic per parameter and <= 10 bytes of device
+  memory per parameter beyond the parameters and gradients, on a fused buffer and on a list of
+  arrays, in the mask's first cycle and after a ratio change.
 
 The dense float64 reference at 1, 2 and 4 ranks is in ``mpi_tests/test_slamb.py``
-(``test_fused_step_matches_reference_*``). No test here asserts a timing.
+(``test_fused_*``). No test here asserts a timing.
 """
+
+import gc
 
 import numpy as np
 import pytest
@@ -22,28 +32,37 @@ from slamb_comm.slamb import Slamb
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250), (7,), (90, 110)]
 
 
-def flat_of(rng, shapes, scale=1.0):
+def flat_of(rng, shapes, scale=1.0, dtype=np.float32):
     n = sum(int(np.prod(s)) for s in shapes)
-    return (rng.standard_normal(n) * scale).astype(np.float32)
+    return (rng.standard_normal(n) * scale).astype(dtype)
 
 
-def make(xp, shapes, fused, ratio=0.1, dense_threshold=2000, transport=None, **kw):
-    lay = sc.Layout(shapes, dense_threshold=dense_threshold)
+def make(shapes, ratio=0.1, dense_threshold=2000, transport=None, dtype=np.float32, **kw):
+    lay = sc.Layout(shapes, dtype, dense_threshold=dense_threshold)
     comm = sc.Communicator(transport or sc.LocalTransport(), lay, ratio=ratio, seed=3,
                            value_dtype=kw.pop("value_dtype", None))
-    opt = Slamb(comm, **{"lr": 0.02, "weight_decay": 0.01, "beta3": 0.9, "sync_interval": 4, **kw})
-    opt.fused = fused
-    return opt
+    return Slamb(comm, **{"lr": 0.02, "weight_decay": 0.01, "beta3": 0.9, "sync_interval": 4, **kw})
 
 
-def run(xp, shapes, fused, steps=13, **kw):
-    opt = make(xp, shapes, fused, **kw)
+def run(xp, shapes, steps=13, form="fused", schedule=None, **kw):
+    """``steps`` steps on ``xp`` arrays: a fused buffer, or one array per tensor (``form="list"``)."""
+    opt = make(shapes, **kw)
+    dt = opt.layout.dtype
     rng = np.random.default_rng(0)
-    x = xp.asarray(flat_of(rng, shapes))
+    x = xp.asarray(flat_of(rng, shapes, dtype=dt))
     for t in range(1, steps + 1):
-        g = xp.asarray(flat_of(np.random.default_rng([5, t]), shapes))
-        opt.step(x, g)
+        if schedule and t in schedule:
+            opt.set_ratio(schedule[t])
+        g = xp.asarray(flat_of(np.random.default_rng([5, t]), shapes, dtype=dt))
+        if form == "list":
+            opt.step(opt.layout.views(x), opt.layout.views(g))
+        else:
+            opt.step(x, g)
     return np.array(sc.arrays.to_host(x)), opt
+
+
+def kernel_steps():
+    return sum(n for op, n in strict_cupy.launches.items() if op.startswith("kernel(slamb_update"))
 
 
 @pytest.fixture
@@ -54,48 +73,78 @@ def double():
         yield mod
 
 
-@pytest.mark.parametrize("ratio", [0.1, 0.25, 1.0])
-def test_positions_are_the_masks(ratio):
-    opt = make(np, SHAPES, True, ratio=ratio)
-    plan = opt._plan(np)  # noqa: SLF001
-    mask = opt.comm.mask
-    for t in range(1, mask.num_chunks + 2):
-        want = mask.select(t).index
-        got = np.arange(opt.layout.total) if plan.everything else plan.positions(mask.chunk(t))
-        assert np.array_equal(got, want), t
-        assert plan.K[mask.chunk(t) if not plan.everything else 0] == want.size
+@pytest.mark.parametrize("vdt", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 1.0])
+def test_payload_is_the_cpu_payload(double, ratio, vdt):
+    """At every step of the first cycle and after it, the pack kernel's payload is the CPU path's,
+    bit for bit: the mask's positions in its order, ``b1 m + (1 - b1) g`` there, cast alike."""
+    cp = double
+    shapes = [(13, 17), (5,), (40, 37), (3, 3), (61, 29), (11,)]
+    cpu, dev = make(shapes, ratio, 100, value_dtype=vdt), make(shapes, ratio, 100, value_dtype=vdt)
+    rng = np.random.default_rng(4)
+    for t in range(1, cpu.comm.mask.num_chunks + 3):
+        m, g = flat_of(rng, shapes), flat_of(rng, shapes)
+        cpu.place(m)
+        cpu.m[...] = m
+        cpu.t = t - 1
+        cpu.begin_step()
+        counts = cpu.counts()
+        want = np.empty(sum(counts), cpu.comm.value_dtype)
+        starts = np.cumsum([0] + counts)
+        for i, gi in enumerate(cpu.layout.flat_views(g)):
+            cpu.accumulate(i, gi, out=want[starts[i] : starts[i + 1]])
+        cpu.abort_step()
+        dev.place(cp.asarray(m))
+        dev.m[...] = cp.asarray(m)
+        plan = dev.device.plan(cp)
+        dev.device.pack(plan, t, cp.asarray(g))
+        got = dev.device.payload(plan, t).get()
+        assert got[-1] == 0 and np.array_equal(got[:-1].view(np.uint8), want.view(np.uint8)), t
+
+
+def test_plan_counts_are_the_masks():
+    """Per chunk and tensor, the plan's counts are the mask's, for groups that straddle tensors."""
+    shapes = [(13, 17), (5,), (40, 37), (1, 3), (61, 29), (7, 7)]
+    lay = sc.Layout(shapes, np.float32, dense_threshold=10)
+    mask = sc.CyclicMask(lay, 1 / 7, seed=9)
+    plan = sc.fused.Plan(lay, mask, np)
+    for j in range(mask.num_chunks):
+        assert [mask.count_of_chunk(j, i) for i in range(len(lay))] == plan.counts[j].tolist()
+        assert plan.k_of(j) == sum(plan.counts[j])
 
 
 KW = {
     "plain": {},
     "per-tensor lr and wd": {"lr": [0.02, 0.01, 0.02, 0.03, 0.0, 0.02], "weight_decay": [0.01, 0, 0, 0.02, 0, 0.01]},
     "float16 payload": {"value_dtype": "float16"},
+    "float64 payload": {"value_dtype": "float64"},
     "all dense": {"dense_threshold": 10**6},
+    "ratio 1": {"ratio": 1.0},
     "no weight decay": {"weight_decay": 0.0},
+    "list of arrays": {"form": "list"},
+    "ratio changes within a cycle": {"schedule": {3: 0.25, 5: 0.5, 6: 0.1}, "steps": 18},
 }
 
 
 @pytest.mark.parametrize("case", list(KW))
-def test_fused_numpy_takes_the_tensor_by_tensor_steps(case):
-    a, fused_opt = run(np, SHAPES, True, **KW[case])
-    b, _ = run(np, SHAPES, False, **KW[case])
-    assert fused_opt._plans  # noqa: SLF001 (the fused path ran)
+def test_device_step_takes_the_cpu_steps(double, case):
+    a, opt = run(double, SHAPES, **KW[case])
+    b, _ = run(np, SHAPES, **KW[case])
+    assert kernel_steps() == opt.t, "the device kernels did not take every step"
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-    assert fused_opt.t == 13
 
 
-@pytest.mark.parametrize("case", ["plain", "per-tensor lr and wd", "float16 payload"])
-def test_fused_on_the_double_takes_the_numpy_steps(double, case):
-    a, opt = run(double, SHAPES, None, **KW[case])  # None: the default, fused on a device
-    b, _ = run(np, SHAPES, False, **KW[case])
-    assert opt._plans  # noqa: SLF001
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+def test_float64_parameters(double):
+    a, opt = run(double, SHAPES, dtype=np.float64, value_dtype="float64")
+    b, _ = run(np, SHAPES, dtype=np.float64, value_dtype="float64")
+    assert kernel_steps() == opt.t
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_fused_nonfinite_changes_nothing(double, policy):
+def test_nonfinite_changes_nothing(double, policy):
     cp = double
-    opt = make(cp, SHAPES, None, on_nonfinite=policy)
+    opt = make(SHAPES, on_nonfinite=policy)
     rng = np.random.default_rng(0)
     x = cp.asarray(flat_of(rng, SHAPES))
     opt.step(x, cp.asarray(flat_of(rng, SHAPES)))
@@ -112,15 +161,43 @@ def test_fused_nonfinite_changes_nothing(double, policy):
     assert np.array_equal(np.array(x.get()), before[0]) and after["step"] == 1
     for k in ("m", "v"):
         assert np.array_equal(after[k], before[1][k])
+    opt.step(x, cp.asarray(flat_of(rng, SHAPES)))  # and the next step goes (no flag left behind)
+    assert opt.t == 2
 
 
-def test_fused_refuses_a_buffer_of_the_wrong_size():
-    opt = make(np, SHAPES, True)
-    x = np.zeros(opt.layout.total + 1, np.float32)
+def test_refuses_a_buffer_of_the_wrong_size(double):
+    opt = make(SHAPES)
+    x = double.zeros(opt.layout.total + 1, np.float32)
     with pytest.raises(sc.LayoutError, match="fused buffer"):
         opt.step(x, x)
 
 
+def test_refuses_a_list_with_a_wrong_array(double):
+    opt = make(SHAPES)
+    x = [double.zeros(s, np.float32) for s in SHAPES]
+    g = [double.zeros(s, np.float32) for s in SHAPES]
+    g[2] = double.zeros(SHAPES[2], np.float64)
+    with pytest.raises(sc.LayoutError, match="tensor '2' has 1200 float64, expected 1200 float32"):
+        opt.step(x, g)
+
+
+@pytest.mark.parametrize("device", [True, False], ids=["device kernels", "tensor by tensor"])
+def test_a_failed_periodic_sync_raises_and_is_not_counted_as_a_skip(double, device):
+    """Parameters that are not finite after the update make the periodic sync fail on every rank:
+    the step was applied, so it raises (both paths), and no skipped step is counted."""
+    xp = double if device else np
+    opt = make(SHAPES, sync_interval=1, transport=Twin())
+    rng = np.random.default_rng(0)
+    x = flat_of(rng, SHAPES)
+    x[3] = np.inf
+    g = flat_of(rng, SHAPES)
+    with np.errstate(all="ignore"), pytest.raises(sc.NonFiniteError):
+        opt.step(xp.asarray(x), xp.asarray(g))
+    assert opt.skipped_steps == 0 and opt.t == 1
+    assert kernel_steps() == (1 if device else 0)
+
+
+# ---------------------------------------------------------------------------- what a step costs
 def shapes_of(tensors, total=655_360):
     n = total // tensors
     sizes = [n] * tensors
@@ -129,14 +206,17 @@ def shapes_of(tensors, total=655_360):
 
 
 class Twin:
-    """Rank 0 of 2 whose twin sends what this rank sends (sums are twice this rank's values)."""
+    """Rank 0 of 2 whose twin sends what this rank sends (sums are twice this rank's values);
+    a collective on device memory is one launch that reads and writes the buffer, as NCCL's."""
 
     rank, size, name = 0, 2, "twin"
 
     @staticmethod
     def _raw(buf):
         if isinstance(buf, strict_cupy.ndarray):
-            strict_cupy.launches["collective"] += 1  # one NCCL call: one launch
+            strict_cupy.launches["collective"] += 1
+            strict_cupy.bytes_read["collective"] += buf.nbytes
+            strict_cupy.bytes_written["collective"] += buf.nbytes
             return buf._a
         return buf  # the option agreement, on the host
 
@@ -156,44 +236,56 @@ class Twin:
         pass
 
 
-@pytest.mark.parametrize("ranks,H", [(1, 100), (2, 100), (2, 1)], ids=["1 rank", "2 ranks", "2 ranks, sync step"])
-def test_device_operations_per_step_do_not_grow_with_tensors(double, ranks, H):
-    """Counted on the step after 12 (a settled cycle): the same at 10, 100 and 1,000 tensors of
-    655,360 elements, <= 64 device operations, <= 1 host-to-device copy, 1 host read (2 on a
-    sync step at 2 ranks)."""
-    cp = double
-    seen = {}
-    for tensors in (10, 100, 1000):
-        shapes = shapes_of(tensors)
-        opt = make(cp, shapes, None, dense_threshold=0, sync_interval=H,
-                   transport=sc.LocalTransport() if ranks == 1 else Twin())
-        rng = np.random.default_rng(0)
-        x = cp.asarray(flat_of(rng, shapes, 0.1))
-        for t in range(1, 13):
-            opt.step(x, cp.asarray(flat_of(np.random.default_rng(t), shapes, 0.1)))
-        opt.step(x, cp.asarray(flat_of(rng, shapes, 0.1)))  # the first settled step of this chunk: its row copied
-        g = cp.asarray(flat_of(rng, shapes, 0.1))
-        for _ in range(opt.comm.mask.num_chunks - 1):
-            opt.step(x, g)
-        with strict_cupy.counting() as c:
-            opt.step(x, g)
-        seen[tensors] = (c.launches, c.h2d, c.syncs)
-    assert len(set(seen.values())) == 1, seen
-    launches, h2d, syncs = seen[10]
-    assert launches <= 64, seen
-    assert h2d == 0, seen
-    assert syncs == (2 if ranks == 2 and H == 1 else 1), seen
+def cost(cp, tensors, ranks=1, H=100, vdt=None, form="fused", when="settled"):
+    """One step's counts after a few steps (``when``: 'settled', 'first cycle', or 'after a ratio
+    change'), and the device memory the optimizer holds beyond x and g, per parameter."""
+    gc.collect()  # an optimizer of an earlier call (a cycle with its DeviceStep) must not die mid-measurement
+    shapes = shapes_of(tensors)
+    x = cp.asarray(flat_of(np.random.default_rng(0), shapes, 0.1))
+    g = cp.asarray(flat_of(np.random.default_rng(1), shapes, 0.1))
+    base = strict_cupy.memory()
+    opt = make(shapes, dense_threshold=0, sync_interval=H, value_dtype=vdt,
+               transport=sc.LocalTransport() if ranks == 1 else Twin())
+    xs, gs = (opt.layout.views(x), opt.layout.views(g)) if form == "list" else (x, g)
+    warm = {"settled": 12, "first cycle": 3, "after a ratio change": 12}[when]
+    for t in range(1, warm + 1):
+        opt.step(xs, gs)
+    if when == "after a ratio change":
+        opt.set_ratio(0.2)
+        opt.step(xs, gs)
+    strict_cupy.reset_peak()
+    with strict_cupy.counting() as c:
+        opt.step(xs, gs)
+    n = opt.layout.total
+    assert sum(k for op, k in c.by_op.items() if op.startswith("kernel(slamb_update")) == 1, c.by_op
+    return {"launches": c.launches, "h2d": c.h2d, "syncs": c.syncs, "bytes": c.bytes / n,
+            "kept": (strict_cupy.memory() - base) / n, "peak": (strict_cupy.peak() - base) / n}
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_failed_periodic_sync_raises_and_is_not_counted_as_a_skip(fused):
-    """Parameters that are not finite after the update make the periodic sync fail on every rank:
-    the step was applied, so it raises (both paths), and no skipped step is counted."""
-    opt = make(np, SHAPES, fused, sync_interval=1, transport=Twin())
-    rng = np.random.default_rng(0)
-    x = flat_of(rng, SHAPES)
-    x[3] = np.inf
-    with np.errstate(all="ignore"), pytest.raises(sc.NonFiniteError):
-        opt.step(x if fused else opt.layout.views(x), flat_of(rng, SHAPES) if fused
-                 else opt.layout.views(flat_of(rng, SHAPES)))
-    assert opt.skipped_steps == 0 and opt.t == 1
+@pytest.mark.parametrize("ranks,H,vdt", [(1, 100, None), (2, 100, None), (2, 100, "float16"), (2, 1, None)],
+                         ids=["1 rank", "2 ranks", "2 ranks, float16 payload", "2 ranks, sync step"])
+def test_step_costs_do_not_grow_with_tensors(double, ranks, H, vdt):
+    """The issue-33 table on the double: the same at 10, 100 and 1,000 tensors of 655,360
+    elements in all, <= 16 device operations, no host-to-device copy, one host read (two on a
+    sync step), <= 56 bytes of traffic per parameter (the sync step's parameter average aside) and
+    <= 10 bytes of device memory per parameter beyond x and g, kept and at the peak."""
+    seen = {t: cost(double, t, ranks, H, vdt) for t in (10, 100, 1000)}
+    ops = {t: (s["launches"], s["h2d"], s["syncs"]) for t, s in seen.items()}
+    assert len(set(ops.values())) == 1, seen
+    launches, h2d, syncs = ops[10]
+    assert launches <= 16 and h2d == 0 and syncs == (2 if H == 1 else 1), seen
+    for s in seen.values():
+        assert s["kept"] <= 10 and s["peak"] <= 10, seen
+        assert s["bytes"] <= (56 if H > 1 else 56 + 24), seen
+
+
+@pytest.mark.parametrize("form,when", [("list", "settled"), ("fused", "first cycle"), ("list", "first cycle"),
+                                       ("fused", "after a ratio change")])
+def test_every_entry_point_costs_the_same(double, form, when):
+    """A list of arrays, the mask's first cycle and the steps after a ratio change cost what a
+    settled step on a fused buffer costs: constants, no host-to-device copy."""
+    want = cost(double, 10, 2)
+    seen = {t: cost(double, t, 2, form=form, when=when) for t in (10, 100, 1000)}
+    for s in seen.values():
+        assert (s["launches"], s["h2d"], s["syncs"]) == (want["launches"], 0, 1), (want, seen)
+        assert s["bytes"] <= 56 and s["kept"] <= 10 and s["peak"] <= 10, seen

@@ -11,6 +11,8 @@ they assert on every rank and print what they measured.
 * ModelCheckpoint + fit(ckpt_path=...) by a new Trainer is bitwise the uninterrupted run
   (tests/test_torchrun.py resumes in new processes at the torch level).
 * the misuses raise at the first step, naming the fix.
+* issue 37: the checkpoint's state_dict is the float64 mean of the ranks' replicas (computed here
+  from each rank's own parameters), the resume stays bitwise, the bytes reach the logger.
 """
 
 import json
@@ -68,3 +70,33 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
     res = json.loads((tmp_path / "resize.0.json").read_text())
     assert res["slamb_params_averaged"] >= 2 and res["slamb_optimizer_averaged"] >= 4, res  # between syncs
     assert res["topk_residuals_averaged"] >= 1, res
+
+
+def test_saved_model_is_the_mean_of_the_replicas_and_bytes_are_logged(tmp_path):
+    """Issue 37, 30 steps at H = 100: checkpoint 30's state_dict is the float64 mean of the two
+    ranks' parameters (which differ), its per-rank files keep each rank's own, and a resume from
+    checkpoint 15 is bitwise (asserted in the job); the CSVLogger's metrics carry every step's bytes."""
+    import csv
+
+    res = run_case("saved_mean", tmp_path)
+    own = [torch.load(tmp_path / f"own.{r}.pt") for r in (0, 1)]
+    saved = torch.load(tmp_path / "ck" / "step=30.ckpt", weights_only=False)["state_dict"]
+    assert saved.keys() == own[0].keys()
+    differ = 0
+    for k, v in saved.items():
+        mean = ((own[0][k].double() + own[1][k].double()) / 2).to(own[0][k].dtype)
+        assert torch.equal(v, mean), k
+        differ += not torch.equal(own[0][k], own[1][k])
+    assert differ >= 2, "the replicas' weights should differ (H = 100)"
+    for r in (0, 1):
+        mine = torch.load(tmp_path / "ck" / f"step=30.ckpt.slamb_rank{r}", weights_only=False)["state_dict"]
+        assert all(torch.equal(mine[k], own[r][k]) for k in own[r]), r
+
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "version_0" / "metrics.csv")))
+    logged = [float(r["slamb/payload_bytes"]) for r in rows if r.get("slamb/payload_bytes")]
+    assert logged == [float(b) for b in res["payload"]] and len(logged) == 30, (logged, res["payload"])
+    ratios = [float(r["slamb/of_dense"]) for r in rows if r.get("slamb/of_dense")]
+    assert ratios[0] > 1.0, ratios[0]  # step 1 also syncs the parameters (docs/integrations.md)
+    want = (256 + 132) / 2692  # 0.1 of the two weights, the biases whole, + status words
+    assert all(want < x < want + 0.01 for x in ratios[1:]), ratios
+    assert all(abs(a - b) < 1e-6 for a, b in zip(ratios, res["of_dense"]))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
+import strict_cupy
 from slamb_comm.slamb import Slamb
 
 
@@ -37,19 +38,21 @@ def test_skipped_step_leaves_state_untouched_in_one_process():
     np.testing.assert_array_equal(x[0], before[1])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_step_is_skipped_where_a_square_overflows_not_where_a_sum_of_squares_does(fused):
+@pytest.mark.parametrize("device", [False, True], ids=["tensor by tensor", "device kernels"])
+def test_a_step_is_skipped_where_a_square_overflows_not_where_a_sum_of_squares_does(device):
     """docs/algorithm.md section 9: a gradient is bad where an element's square would overflow v
     (``|g| >= sqrt(max)``), not where finite squares add up past the dtype's max; the
-    tensor-by-tensor path (``fused=False``) decides as the whole-buffer one does."""
-    x = np.ones(20000, np.float32)
-    opt = Slamb(sc.Communicator(None, [x.reshape(100, 200)], ratio=0.1, seed=1), lr=0.01)
-    opt.fused = fused
-    with np.errstate(over="ignore"):  # the whole-buffer check squares in float32
-        opt.step(x, np.full(20000, 1e18, np.float32))  # each square 1e36 < 3.4e38; their sum is not
-        assert opt.skipped_steps == 0 and opt.t == 1 and np.isfinite(opt.v).all()
-        opt.step(x, np.full(20000, 2e19, np.float32))  # above sqrt(max) = 1.84e19: v would overflow
-    assert opt.skipped_steps == 1 and opt.t == 1
+    tensor-by-tensor path decides as the device kernels (run through the strict double) do."""
+    with strict_cupy.install() as cp:
+        xp = cp if device else np
+        x = xp.asarray(np.ones(20000, np.float32))
+        opt = Slamb(sc.Communicator(None, [np.ones((100, 200), np.float32)], ratio=0.1, seed=1), lr=0.01)
+        with np.errstate(over="ignore"):  # the CPU's check squares in float32
+            opt.step(x, xp.asarray(np.full(20000, 1e18, np.float32)))  # each square 1e36 < 3.4e38; their sum is not
+            assert opt.skipped_steps == 0 and opt.t == 1 and np.isfinite(sc.arrays.to_host(opt.v)).all()
+            opt.step(x, xp.asarray(np.full(20000, 2e19, np.float32)))  # above sqrt(max) = 1.84e19: v would overflow
+        assert opt.skipped_steps == 1 and opt.t == 1
+        assert (opt.device._plans != {}) == device  # noqa: SLF001 (which path ran)
 
 
 def test_derived_freshness_is_the_simulated_one():

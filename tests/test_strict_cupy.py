@@ -1,6 +1,8 @@
 """The core's CuPy branches on the CPU, through the strict CuPy double (tests/strict_cupy.py),
 each compared with the NumPy branch; the GPU defects found that way; host synchronisations
-per step, counted; the double's counts of device operations and host-to-device copies.
+per step, counted; the double's counts of device operations, host-to-device copies and device
+bytes, its device-memory accounting, and its raw CUDA kernels (toy kernels in the dialect of
+slamb_comm.kernels.PRELUDE, and slamb_comm's own) run on the host.
 
 ``strict_cupy``'s docstring says what the double catches (implicit host conversion, NumPy
 operands, misaligned typed views, arrays on another device than the current one, host reads)
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
+import slamb_comm.kernels as K
 import strict_cupy
 from slamb_comm.codecs import TopKWire, topk_indices, topk_indices_reference
 from slamb_comm.slamb import Slamb
@@ -99,7 +102,8 @@ COUNTED = [
     ("a[idx]", 1, 0, 0),
     ("a.take(idx)", 1, 0, 0),
     ("cp.take(a, idx)", 1, 0, 0),
-    ("a[a > 0]", 2, 0, 1),  # the comparison, the gather (its size depends on the data: a read)
+    ("a[a > 0]", 3, 0, 1),  # the comparison, the mask's scan, the gather (its size depends on the data: a read)
+    ("a[a > 0] = 0", 4, 0, 1),  # the comparison, the value's 0-d fill, the scan, the scatter
     ("a[2:5]", 0, 0, 0),
     ("a[3]", 0, 0, 0),  # a 0-d view, as in CuPy
     ("a.reshape(3, 4)", 0, 0, 0),
@@ -111,11 +115,12 @@ COUNTED = [
     ("cp.ascontiguousarray(a)", 0, 0, 0),
     ("cp.ascontiguousarray(m.T)", 1, 0, 0),
     ("a[idx] = b[:3]", 1, 0, 0),
-    ("a[idx] = 0", 1, 0, 0),
+    ("a[idx] = idx", 2, 0, 0),  # the values cast to float32 first
+    ("a[idx] = 0", 2, 0, 0),  # CuPy makes the value a 0-d device array (a fill), then scatters
+    ("a[[0, 2]] = [1.0, 2.0]", 1, 2, 0),  # the index and the values copied to the device
     ("a[2:5] = b[:3]", 1, 0, 0),
     ("a[...] = 0", 1, 0, 0),
     ("a[:3] = np.float32(1)", 1, 0, 0),  # a scalar is a kernel argument, not a copy
-    ("a[:3] = [1, 2, 3]", 1, 1, 0),
     ("a[[0, 2]]", 1, 1, 0),  # the list goes to the device first
     ("a.fill(2)", 1, 0, 0),
     ("a.copy()", 1, 0, 0),
@@ -124,7 +129,7 @@ COUNTED = [
     ("cp.asarray(h)", 0, 1, 0),
     ("cp.asarray(h, np.float64)", 0, 1, 0),
     ("cp.array([1.0, 2.0])", 0, 1, 0),
-    ("cp.asarray(3.0)", 0, 1, 0),
+    ("cp.asarray(3.0)", 1, 0, 0),  # a 0-d array: CuPy allocates it and fills it, no copy
     ("cp.asarray(a)", 0, 0, 0),
     ("cp.asarray(a, np.float64)", 1, 0, 0),  # a cast on the device
     ("cp.array(a)", 1, 0, 0),
@@ -144,23 +149,30 @@ COUNTED = [
     ("cp.dot(a, b)", 1, 0, 0),
     ("cp.sum(cp.square(a, dtype=np.float64))", 2, 0, 0),
     ("a.all()", 1, 0, 0),
-    ("cp.cumsum(a)", 1, 0, 0),
+    ("cp.cumsum(a)", 3, 0, 0),  # a copy into the result, CUB's scan (init + scan)
     ("cp.sqrt(a * a)", 2, 0, 0),
     ("cp.multiply(a, b, out=c)", 1, 0, 0),
     ("cp.where(a > 0, a, 0.0)", 2, 0, 0),
+    ("cp.where(idx, a[:3], b[:3])", 2, 0, 0),  # the condition cast to bool first
+    ("cp.where(m > 0)", 3, 0, 1),  # nonzero of a bool array: the comparison, the scan, the count read, the indices
     ("cp.clip(a, -1, 1)", 1, 0, 0),
     ("cp.isfinite(a)", 1, 0, 0),
-    ("cp.concatenate((a, b))", 1, 0, 0),
-    ("cp.sort(a)", 1, 0, 0),
-    ("cp.argsort(a)", 1, 0, 0),
-    ("cp.partition(a, 3)", 1, 0, 0),
-    ("cp.searchsorted(a, b)", 1, 0, 0),
-    ("cp.bincount(idx)", 1, 0, 0),
-    ("cp.flatnonzero(a)", 1, 0, 1),
+    ("cp.concatenate((a, b))", 2, 0, 0),  # one copy per array
+    ("cp.stack((a, b))", 2, 0, 0),
+    ("cp.concatenate([a] * 9)", 1, 0, 0),  # more than 8 small arrays: one kernel
+    ("cp.sort(a)", 7, 0, 0),  # a copy; the radix sort: histogram, bins' scan, 4 passes (float32)
+    ("cp.argsort(a)", 8, 0, 0),  # a copy, the index sequence, the radix sort
+    ("cp.partition(a, 3)", 7, 0, 0),  # under 32 elements CuPy sorts
+    ("cp.searchsorted(a, b)", 2, 0, 0),  # zeros for the result, the search
+    ("cp.bincount(idx)", 5, 0, 2),  # (x < 0).any() and max(x), each read; zeros; the histogram
+    ("cp.flatnonzero(a)", 3, 0, 1),  # a != 0, the scan, the count read, the indices
+    ("cp.nonzero(m)", 3, 0, 1),
+    ("cp.unique(idx)", 17, 0, 1),  # copy, sort (10: int64), mask (4 kernels), the mask's scan and gather
+    ("m[j, j]", 2, 0, 0),  # two index arrays: folded into one flat index first
     ("cp.count_nonzero(a)", 1, 0, 0),
     ("cp.lib.stride_tricks.as_strided(a, shape=(3, 3), strides=(4, 4))", 0, 0, 0),
     ("fused(a, b)", 1, 0, 0),  # a cupy.fuse'd function: one kernel
-    ("cp.add.reduceat(a, idx)", 1, 0, 0),
+    ("cp.add.reduceat(a, idx)", 14, 0, 0),  # CuPy's _add_reduceat: see the double's docstring
 ]
 
 
@@ -171,7 +183,8 @@ def test_the_double_counts_launches_copies_and_reads(strict, expr, launches, cop
     h = rng.standard_normal(12).astype(np.float32)
     env = {"cp": cp, "np": np, "h": h, "a": cp.asarray(h), "b": cp.asarray(h[::-1].copy()),
            "c": cp.empty(12, np.float32), "m": cp.asarray(h.reshape(3, 4)),
-           "idx": cp.asarray(np.array([1, 4, 7], np.int64)), "fused": cp.fuse(kernel_name="xy1")(lambda x, y: x * y + 1)}
+           "idx": cp.asarray(np.array([1, 4, 7], np.int64)), "j": cp.asarray(np.array([0, 2], np.int64)),
+           "fused": cp.fuse(kernel_name="xy1")(lambda x, y: x * y + 1)}
     with strict_cupy.counting() as c:
         exec(expr, env)  # noqa: S102 -- the expressions above
     assert (c.launches, c.h2d, c.syncs) == (launches, copies, reads), (c.by_op, c.by_h2d, c.by_sync)
@@ -182,27 +195,36 @@ def test_counters_reset_and_counting_blocks(strict):
     a = cp.asarray(np.arange(6, dtype=np.float32))
     a += 1
     float(a.sum())
-    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 1}
+    # bytes: the copy in (24), a += 1 (24 read, 24 written), the sum (24 read, 4 written), its read (4)
+    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 1, "read": 52, "written": 52}
     assert strict_cupy.launches == {"iadd": 1, "sum": 1} and strict_cupy.h2d == {"asarray": 1}
+    assert strict_cupy.bytes_read == {"iadd": 24, "sum": 24, "d2h(float)": 4}
+    assert strict_cupy.bytes_written == {"h2d(asarray)": 24, "iadd": 24, "sum": 4}
     strict_cupy.reset_syncs()  # the older names reset their own counter only
-    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 0}
+    assert strict_cupy.counts() == {"launches": 2, "h2d": 1, "syncs": 0, "read": 52, "written": 52}
     strict_cupy.reset_launches()
     strict_cupy.reset_h2d()
-    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0}
+    strict_cupy.reset_bytes()
+    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0, "read": 0, "written": 0}
     with strict_cupy.counting() as c:
         b = a * 2
         b[1:3] = a[:2]
         b.get()
     assert (c.launches, c.h2d, c.syncs) == (2, 0, 1) and c.by_op == {"mul": 1, "setitem(copy)": 1}
+    assert (c.read, c.written, c.bytes) == (24 + 8 + 24, 24 + 8, 88)
+    assert c.by_op_bytes == {"mul": 48, "setitem(copy)": 16, "d2h(get)": 24}
+    assert (c.peak, c.kept) == (24, 24)  # b
     a - 1
     assert c.launches == 2 and strict_cupy.total_launches() == 3  # the module keeps counting
     strict_cupy.reset_counts()
-    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0}
+    assert strict_cupy.counts() == {"launches": 0, "h2d": 0, "syncs": 0, "read": 0, "written": 0}
 
 
 def test_the_counts_of_a_step_do_not_depend_on_the_sizes(strict):
     """Per call, not per element: a SLAMB step and a top-k exchange on 6 tensors count the same
-    at two sizes (both multiples of the mask's 10 chunks, so the tensors cut alike)."""
+    at two sizes (both multiples of the mask's 10 chunks, so the tensors cut alike). The gradients
+    stay in the same buffers from step to step, as a framework's do (a step given new buffers may
+    copy a new table of their addresses to the device)."""
     cp = strict
 
     def one(shape):
@@ -210,10 +232,13 @@ def test_the_counts_of_a_step_do_not_depend_on_the_sizes(strict):
         x = arrays(cp, 0, shapes)
         comm = sc.Communicator(None, x, ratio=0.1, seed=1, dense_threshold=100)
         opt = Slamb(comm, lr=0.01, weight_decay=0.01)
-        opt.step(x, arrays(cp, 1, shapes))
+        g = arrays(cp, 1, shapes)
+        opt.step(x, g)
         comm.sparse_allgather(arrays(cp, 2, shapes))
+        for a, b in zip(g, arrays(cp, 3, shapes)):
+            a[...] = b
         with strict_cupy.counting() as s:
-            opt.step(x, arrays(cp, 3, shapes))
+            opt.step(x, g)
         g = arrays(cp, 4, shapes)
         with strict_cupy.counting() as k:
             comm.sparse_allgather(g)
@@ -221,7 +246,279 @@ def test_the_counts_of_a_step_do_not_depend_on_the_sizes(strict):
 
     small, large = one((20, 50)), one((200, 500))
     assert small == large
-    assert sum(small[0][0].values()) > 6 and sum(small[1][0].values()) > 6  # counted, per tensor
+    assert sum(small[0][0].values()) >= 6 and sum(small[1][0].values()) > 6  # counted
+
+
+# ----------------------------------------------------------------------------- the double's bytes and memory
+def _env(cp):
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal(12).astype(np.float32)
+    return {"cp": cp, "np": np, "h": h, "a": cp.asarray(h), "b": cp.asarray(h[::-1].copy()),
+            "idx": cp.asarray(np.array([1, 4, 7], np.int64)),
+            "fused": cp.fuse(kernel_name="xy2")(lambda x, y: x * y + 1)}
+
+
+# (expression, device bytes read, device bytes written): a, b are float32 (12,): 48 bytes; idx: 3 int64
+BYTES = [
+    ("a + b", 96, 48),
+    ("a * 0.5", 48, 48),  # a scalar is a kernel argument
+    ("a += b", 96, 48),
+    ("a + b[:1]", 52, 48),
+    ("a + cp.broadcast_to(b[:1], (12,))", 52, 48),  # a broadcast operand is read once
+    ("a[idx]", 24 + 12, 12),  # the indices and the gathered elements
+    ("a.take(idx)", 24 + 12, 12),
+    ("a.sum()", 48, 4),
+    ("cp.sum(a, dtype=np.float64)", 48, 8),
+    ("cp.zeros(5)", 0, 40),
+    ("a.fill(1)", 0, 48),
+    ("a.astype(np.float64)", 48, 96),
+    ("a[idx] = b[:3]", 24 + 12, 12),  # the indices and values read, the elements set written
+    ("a[idx] = 0", 24 + 4, 4 + 12),  # the value's 0-d array filled first
+    ("a[2:5] = b[:3]", 12, 12),
+    ("a[...] = 0", 0, 48),
+    ("cp.concatenate((a, b))", 96, 96),
+    ("cp.where(idx, a[:3], b[:3])", 24 + 3 + 24, 3 + 12),  # the cast to bool, then the choice
+    ("cp.searchsorted(a, b)", 48 + 12 * 4 * 4, 2 * 12 * 8),  # 4 = floor(log2 12) + 1 reads per query; zeros
+    ("cp.sort(a)", 48 + 48 + 4 * 48, 48 + 4 * 48),  # the copy; the histogram and 4 passes of float32 keys
+    ("cp.partition(a, 3)", 48 + 48 + 4 * 48, 48 + 4 * 48),  # under 32 elements: a sort
+    # a != 0 (48 -> 12), the scan into int32 ranks (12 -> 48), the count read (4), the indices (12 + 48 -> 96)
+    ("cp.flatnonzero(a)", 48 + 12 + 4 + 60, 12 + 48 + 96),
+    # the copy, the sort (3 int64 keys: histogram, 8 passes), the mask (its first element, the != of
+    # neighbours, its copy in, the NaN rule), the mask's scan, the gather, the count read
+    ("cp.unique(idx)", 24 + (24 + 8 * 24) + 32 + 2 + 18 + 3 + 39 + 4, 24 + 8 * 24 + 1 + 2 + 2 + 2 + 12 + 24),
+    ("fused(a, b)", 96, 48),
+    ("float(a.sum())", 48 + 4, 4),  # the host read of the sum
+    ("a.get()", 48, 0),
+    ("cp.asarray(h)", 0, 48),  # the copy in
+    ("cp.asarray(3.0)", 0, 8),  # a fill
+    # CuPy's _add_reduceat: append(idx, 12) (a 0-d fill, 2 copies), cumsum (a cast, the scan), append(zeros(1),
+    # acc) (a memset, 2 copies), the mask, a.take, the two acc.take, the subtraction, where
+    ("cp.add.reduceat(a, idx)", 32 + (48 + 48) + 52 + 48 + 36 + 72 + 24 + 27,
+     (8 + 32) + (48 + 48) + (4 + 52) + 3 + 12 + 24 + 12 + 12),
+]
+
+
+@pytest.mark.parametrize("expr,read,written", BYTES, ids=[e[0] for e in BYTES])
+def test_the_double_charges_device_bytes(strict, expr, read, written):
+    env = _env(strict)
+    with strict_cupy.counting() as c:
+        exec(expr, env)  # noqa: S102 -- the expressions above
+    assert (c.read, c.written) == (read, written), (c.by_op_bytes, dict(strict_cupy.bytes_read))
+    assert c.bytes == read + written == sum(c.by_op_bytes.values())
+
+
+def test_the_double_tracks_device_memory(strict):
+    cp = strict
+    base = strict_cupy.memory()
+    a = cp.zeros(1000, np.float32)
+    views = [a[10:20], a.view(np.int32), a.reshape(10, 100), a[3], cp.broadcast_to(a[:1], (5, 7))]
+    assert strict_cupy.memory() == base + 4000  # views own nothing
+    with strict_cupy.counting() as c:
+        t = a + 1
+        u = t * 2
+        del t
+    assert (c.peak, c.kept) == (8000, 4000)  # t and u at once; u stays
+    del u
+    with strict_cupy.counting() as c:
+        (a * 2).sum()
+    assert (c.peak, c.kept) == (4004, 0)  # a temporary and the 0-d sum, both gone
+    strict_cupy.reset_peak()
+    assert strict_cupy.peak() == strict_cupy.memory() == base + 4000
+    with strict_cupy.counting() as c:
+        cp.sort(a)
+    assert (c.peak, c.kept) == (8000, 0)  # the result and the radix sort's double buffer
+    del a, views
+    assert strict_cupy.memory() == base
+
+
+def test_reduceat_charges_its_kernels_and_its_two_buffers(strict):
+    cp = strict
+    n = 100_000
+    x = cp.asarray(np.ones(n, np.float32))
+    starts = cp.asarray(np.array([0, 60_000], np.int64))
+    with strict_cupy.counting() as c:
+        s = cp.add.reduceat(x, starts, dtype=np.float64)
+    np.testing.assert_array_equal(s.get(), [60_000.0, 40_000.0])
+    # above 512 elements the scan is 3 kernels (the blocks, the scan of their 195 sums, the add)
+    assert c.by_op == {"add.reduceat": 16}
+    assert c.kept == 16  # the result
+    assert c.peak == 8 * 3 + 8 * n + 8 * (n + 1)  # the indices appended; the scan's buffer and the appended one
+    with pytest.raises(NotImplementedError, match="maximum.reduceat"):
+        cp.maximum.reduceat(x, starts)  # CuPy 14 has add.reduceat only
+
+
+def test_foreign_memory_is_not_the_doubles(strict):
+    torch = pytest.importorskip("torch")
+    before = strict_cupy.memory()
+    t = torch.zeros(1000)
+    d = strict.from_dlpack(t)
+    assert strict_cupy.memory() == before and d.size == 1000
+
+
+def test_a_list_assigned_to_a_slice_is_refused_as_cupy_does(strict):
+    a = strict.zeros(5, np.float32)
+    with pytest.raises(ValueError, match="fill"):
+        a[:3] = [1, 2, 3]  # CuPy takes the list for fill() and refuses it
+
+
+def test_aten_counter_charges_torchs_bytes():
+    torch = pytest.importorskip("torch")
+    a, b = torch.ones(10), torch.ones(10)
+    aten = strict_cupy.aten_counter()
+    with aten:
+        c = a + b  # 80 read, 40 written
+        a.add_(b)  # in place: a read and written
+        torch.mul(a, b, out=c)  # out=: written, not read
+        c.copy_(a)  # overwritten whole: not read
+        c.view(2, 5)  # a view: nothing
+    assert aten.n == 4
+    assert aten.by_op_bytes == {"add.Tensor": 120, "add_.Tensor": 120, "mul.out": 120, "copy_.default": 80}
+    assert (aten.read, aten.written, aten.bytes) == (280, 160, 440)
+
+
+# ----------------------------------------------------------------------------- raw kernels on the double
+TOY = K.PRELUDE + r"""
+SLAMB_KERNEL toy_axpy(const float* __restrict__ x, float* __restrict__ y, float a, long long n) {
+  SLAMB_FOR_THREADS(t) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + t; i < n; i += (long long)gridDim.x * blockDim.x)
+      y[i] = a * x[i] + y[i];
+  }
+}
+
+SLAMB_KERNEL toy_block_sums(const double* __restrict__ x, long long n, double* __restrict__ sums) {
+  SLAMB_SHARED double sh[256];
+  SLAMB_FOR_THREADS(t) {
+    double s = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + t; i < n; i += (long long)gridDim.x * blockDim.x)
+      s += x[i];
+    sh[t] = s;
+  }
+  SLAMB_SYNC();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    SLAMB_FOR_THREADS(t) {
+      if (t < s) sh[t] += sh[t + s];
+    }
+    SLAMB_SYNC();
+  }
+  SLAMB_FOR_THREADS(t) {
+    if (t == 0) sums[blockIdx.x] = sh[0];
+  }
+}
+
+SLAMB_KERNEL toy_count_above(const int* __restrict__ v, long long n, int threshold, unsigned* __restrict__ count) {
+  SLAMB_FOR_THREADS(t) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + t; i < n; i += (long long)gridDim.x * blockDim.x)
+      if (v[i] > threshold) slamb_atomic_inc(count);
+  }
+}
+
+SLAMB_KERNEL toy_const_write(const float* __restrict__ x) {
+  SLAMB_FOR_THREADS(t) {
+    if (blockIdx.x == 1 && t == 3) ((float*)x)[0] = 2.0f;
+  }
+}
+"""
+
+
+@pytest.fixture
+def toy(strict):
+    return strict.RawModule(code=TOY, options=K.OPTIONS)
+
+
+def test_raw_kernels_run_the_grid_and_compute_what_numpy_does(strict, toy):
+    cp = strict
+    rng = np.random.default_rng(7)
+    n = 3000
+    hx, hy = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    x, y = cp.asarray(hx), cp.asarray(hy)
+    with strict_cupy.counting() as c:
+        toy.get_function("toy_axpy")((5,), (256,), (x, y, np.float32(0.3), np.int64(n)))  # 5 x 256 < n: strides
+    np.testing.assert_array_equal(y.get(), np.float32(0.3) * hx + hy)  # two roundings on both sides
+    assert c.by_op == {"kernel(toy_axpy)": 1} and c.bytes == 0  # a plain call declares no bytes
+    assert strict_cupy.cuda_log[-1] == ("kernel", "toy_axpy", 0)
+
+    hd = rng.standard_normal(10_000)
+    sums = cp.zeros(7, np.float64)
+    toy.get_function("toy_block_sums")((7,), (256,), (cp.asarray(hd), np.int64(hd.size), sums))
+    np.testing.assert_allclose(sums.get().sum(), hd.sum(), rtol=1e-12)
+
+    hv = rng.integers(0, 100, 5000).astype(np.int32)
+    count = cp.zeros(1, np.uint32)
+    toy.get_function("toy_count_above")((3,), (256,), (cp.asarray(hv), np.int64(hv.size), np.int32(60), count))
+    assert int(count.get()[0]) == int((hv > 60).sum())
+
+
+def _raw_args(cp):
+    return cp.asarray(np.ones(8, np.float32)), cp.zeros(8, np.float32)
+
+
+MISMATCHES = [
+    ("a python float for float", lambda cp, x, y: (x, y, 0.5, np.int64(8)), r"argument 2 \(float a\).*got float"),
+    ("float64 for float", lambda cp, x, y: (x, y, np.float64(0.5), np.int64(8)), r"argument 2.*numpy\.float64"),
+    ("a python int for long long", lambda cp, x, y: (x, y, np.float32(0.5), 8), r"argument 3 \(long long n\).*int"),
+    ("int32 for long long", lambda cp, x, y: (x, y, np.float32(0.5), np.int32(8)), r"argument 3.*int32"),
+    ("float64 array for const float*", lambda cp, x, y: (x.astype(np.float64), y, np.float32(0.5), np.int64(8)),
+     r"argument 0 \(const float\* x\) takes a device array of float32, got strict_cupy.ndarray of float64"),
+    ("a host array", lambda cp, x, y: (x, np.zeros(8, np.float32), np.float32(0.5), np.int64(8)),
+     r"argument 1.*host memory"),
+    ("too few arguments", lambda cp, x, y: (x, y, np.float32(0.5)), "takes 4 arguments, got 3"),
+]
+
+
+@pytest.mark.parametrize("what,args,match", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_raw_kernel_arguments_must_be_what_the_c_signature_says(strict, toy, what, args, match):
+    x, y = _raw_args(strict)
+    f, given = toy.get_function("toy_axpy"), args(strict, x, y)
+    with strict_cupy.counting() as c, pytest.raises(TypeError, match=f"kernel toy_axpy: .*{match}"):
+        f((1,), (256,), given)
+    assert c.launches == 0 and y.get().sum() == 0
+
+
+def test_raw_kernel_refuses_an_array_of_another_device_and_writes_through_const(strict, toy):
+    cp = strict
+    x, y = _raw_args(cp)
+    with cp.cuda.Device(1):
+        z = cp.zeros(8, np.float32)
+    with pytest.raises(TypeError, match="argument 1 .*on device 1"):
+        toy.get_function("toy_axpy")((1,), (256,), (x, z, np.float32(0.5), np.int64(8)))
+    with pytest.raises(RuntimeError, match="toy_const_write wrote argument 0 .*const"):
+        toy.get_function("toy_const_write")((2,), (256,), (x,))
+    with pytest.raises(ValueError, match="--fmad=false"):
+        cp.RawModule(code=TOY)  # the device would contract a * x + y, the host does not
+    with pytest.raises(AttributeError, match="no kernel named"):
+        toy.get_function("toy_nothing")
+
+
+def test_the_librarys_kernels_compile_and_run_on_the_double(strict):
+    """slamb_trust on 2 tensors of 2 and 1 tiles: the tiles' partial norms summed, the trust ratios
+    and rates of docs/algorithm.md section 1, through slamb_comm.kernels.launch, which reaches
+    launch_declared: the declared bytes are charged."""
+    cp = strict
+    part = np.array([[4.0, 1.0, 1.0, 0.25], [5.0, 2.0, 3.0, 1.0], [9.0, 0.0, 0.0, 0.0]])  # xx, ww, xs, ws per tile
+    tt0, ntt = np.array([0, 2], np.int64), np.array([2, 1], np.int64)
+    rates, word = cp.zeros(4, np.float64), cp.asarray(np.array([0, 0, 1], np.uint32))
+    s_u, lr, sqrt_p, lo, hi = 0.5, 0.1, 2.0, 0.01, 10.0
+    args = (cp.asarray(part.ravel()), cp.asarray(tt0), cp.asarray(ntt), np.int64(2), np.float64(s_u), np.float64(lr),
+            cp.zeros(2, np.float64), np.int32(0), np.float64(sqrt_p), np.float64(lo), np.float64(hi), rates, word)
+    with strict_cupy.counting() as c:
+        K.launch(cp, K.kernel_name("trust", np.float32), 2, args, reads=[("partials", part.nbytes)],
+                 writes=[("rates", 32), ("word", 4)])
+    assert c.by_op == {"kernel(slamb_trust)": 1}
+    assert (c.read, c.written) == (part.nbytes, 36) and c.by_op_bytes == {"kernel(slamb_trust)": part.nbytes + 36}
+
+    def ratio(x, u):
+        return min(max(x / u, lo), hi) if x > 0 and u > 0 else 1.0
+
+    want = []
+    for xx, ww, xs, ws in (part[:2].sum(0), part[2]):
+        uu, us = ww * s_u**2, ws * s_u**2
+        want += [lr * s_u * ratio(np.sqrt(xs), np.sqrt(us)),
+                 lr * s_u / sqrt_p * ratio(np.sqrt(max(xx - xs, 0.0)), np.sqrt(max(uu - us, 0.0)))]
+    np.testing.assert_allclose(rates.get(), want, rtol=1e-15)
+    assert word.get()[2] == 0  # the update's flag, cleared for the step
+    with pytest.raises(TypeError, match="declared bytes"):
+        K.module(cp).get_function("slamb_trust").launch_declared((1,), (256,), args, reads=[("partials", -1)],
+                                                                 writes=[])
 
 
 # ----------------------------------------------------------------------------- numpy path == cupy path

@@ -22,6 +22,8 @@ module                     what it holds
 ``params``                 parameter naming, change checks, state mapping, buckets
 ``rank_files``             per-rank state files beside a framework's checkpoint, resized
                            for another number of ranks (Lightning, the Trainer, Accelerate)
+``averaging``              :func:`averaged_state_dict` (the mean of the replicas, for saving)
+                           and :func:`traffic_metrics` (a step's bytes as logger metrics)
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
@@ -45,12 +47,17 @@ module                     what it holds
   whose parameters sit in a DDP module without slamb_comm's hook, or a hook state DDP never
   called, raises at the first ``step()``, naming the fix.
 
+* :func:`averaged_state_dict` -- ``averaged_state_dict(model, group=None)``: the model to save,
+  the float64 mean of the ranks' replicas (SLAMB's, SAdamW's, DiLoCo's and DES-LOC's differ
+  between syncs), called on every rank; the live model and optimizer are not touched.
+
 Data types: bfloat16 and float16 parameters are updated through float32 state and cast back;
 the exchange is float32 or float16 per ``value_dtype``.
 """
 
 from slamb_comm.codecs import TopK
 
+from .averaging import averaged_state_dict, traffic_metrics
 from .collectives import TorchTransport, init_process_group
 from .demo import DeMo
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
@@ -60,4 +67,5 @@ from .periodic import DesLoc, DiLoCo
 from .slamb import LAMB, SLAMB, SAdamW
 
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
-           "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc"]
+           "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",
+           "averaged_state_dict", "traffic_metrics"]

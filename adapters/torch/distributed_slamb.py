@@ -21,6 +21,7 @@ from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerErro
 from slamb_comm.stats import Traffic, allreduce_wire
 
 from . import contract, tensors
+from .flat_exchange import FlatExchange
 from .params import param_changed, params_changed, run_closure
 from .tensors import Grads, Params, cuda_scope, torch_dtype
 
@@ -80,8 +81,10 @@ class DistributedSlamb(torch.optim.Optimizer):
         self._nonfinite = None  # the agreed NonFiniteError of this step, if some rank's gradient was not finite
         self._error = None  # an error of the end-of-backward agreement, raised at the next step()/synchronize()
         # hooks mode: the exchange starts in the gradient hooks; else from step(). Flat buckets
-        # (SLAMB(fused=...)) always exchange from step(): one whole-buffer exchange per bucket
+        # (SLAMB(fused=...)) exchange through the device kernels: from DDP's hooks, a group per DDP
+        # bucket (self._flat_exchange), else from step()
         self._in_hooks = not self._flat_mode()
+        self._flat_exchange = FlatExchange(self._coll)
         self._reference = {}  # parameter -> (gradient, version) at the agreement
         self._norms = None  # and the gradients' norms then
         self._layout_problem = None  # this rank's LayoutError of the open step, sent as a NaN status
@@ -179,10 +182,16 @@ class DistributedSlamb(torch.optim.Optimizer):
         in deferred mode, agree on the gradients' finiteness; then note the gradients as the
         step may use them (their versions and norms)."""
         norms = None
-        if self._in_hooks:
+        flat = self._flat_exchange.finish(self._engines) if not self._in_hooks else None
+        if flat:  # the device exchange packed from DDP's hooks was not finite on some rank
+            self._flat_exchange.poison()
+            self._nonfinite = NonFiniteError(
+                f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {flat[:5]}; every rank's "
+                "gradients were set to NaN and the step is skipped on every rank, with no state changed", (), flat)
+        elif self._in_hooks:
             self._launch_missing()  # a parameter without a gradient takes part with zeros (its status says so)
             self._finish()
-        else:
+        elif flat is None:
             norms = contract.grad_norms(self._requires_update)  # L2: overflows where v would (a bad gradient)
             if contract.agree_finite(self, self._requires_update, self._agreements, norms):
                 names = [self._names.get(id(p), "?") for p in self._requires_update]
@@ -192,6 +201,8 @@ class DistributedSlamb(torch.optim.Optimizer):
                     "and the step is skipped on every rank, with no state changed", (), names)
         self._reference = {p: _version(p) for p in self._requires_update}
         self._norms = contract.grad_norms(self._requires_update) if norms is None else norms
+        if self._flat_mode():
+            self._flat_exchange.regroup(self._engines, self._ddp_groups if self._ddp else {})
         self._agreed = True
 
     def _grads_changed(self):
@@ -385,6 +396,7 @@ class DistributedSlamb(torch.optim.Optimizer):
         if self._flag:
             self._coll.wait(self._flag[0])
         self._flag = None
+        self._flat_exchange.abandon()
         for e in self._engines:
             if e.open:
                 e.rule.abort_step()
@@ -484,10 +496,11 @@ class DistributedSlamb(torch.optim.Optimizer):
 
     def _decide_flat(self):
         """Flat mode: the step's collective decisions in one small allreduce (the trainable flag),
-        after this rank copied its gradients into the flat buffers: a new ratio asked for, a
-        parameter that no longer fits its bucket, a gradient missing or sparse (the step then
-        goes tensor by tensor, which handles them), a gradient not finite (or whose square
-        overflows; computed on the device) -- on any rank. Returns whether the flat step goes."""
+        before any bucket changes: a new ratio asked for, a parameter that no longer fits its
+        bucket, a gradient missing or sparse (the step then goes tensor by tensor, which handles
+        them), and, where the exchange was packed during the backward pass, whether some rank
+        changed its gradients since (it is then packed again). A non-finite gradient is found by
+        the exchange itself, before any bucket changes. Returns ``(flat step goes, packed again)``."""
         problem = self._layout_problem or params_changed(self, self._all_params)
         for e in self._engines:  # state replaced from outside (a broadcast), options read from the groups
             try:
@@ -498,27 +511,20 @@ class DistributedSlamb(torch.optim.Optimizer):
             for i, p in enumerate(e.params):
                 problem = problem or param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
         self._layout_problem = problem
-        flats = [e.flat for e in self._engines if e.flat is not None]
         ready = problem is None and all(e.flat is not None and e.flat.ready() for e in self._engines)
-        device_words = None
-        if ready:
-            sums = []
-            for f in flats:
-                f.load()
-                sums.append(torch.linalg.vector_norm(f.g).reshape(1))  # inf where a square would overflow v
-            bad = ~torch.isfinite(torch.cat(sums) if len(sums) > 1 else sums[0])
-            device_words = bad.any().to(device=self._coll.device, dtype=torch.int32).reshape(1)
         asks = self._asks_new_ratio() if problem is None else 0
-        contract.launch_trainable_flag(self, extra=[asks, int(problem is not None), int(not ready)],
-                                       device_words=device_words if device_words is not None
-                                       else torch.zeros(1, dtype=torch.int32, device=self._coll.device))
+        packed = self._flat_exchange
+        regrad = int(ready and (packed.finished or packed.deferred) and self._grads_changed())
+        contract.launch_trainable_flag(self, extra=[asks, int(problem is not None), int(not ready), regrad])
         grown = contract.wait_trainable_flag(self)
         self._flag = None
-        rerate, changed, unready, bad = self._flag_extra
+        rerate, changed, unready, regrad = self._flag_extra
+        packed.deferred = bool(regrad)  # exchange from the hooks again only after a step nobody changed
         if changed:
             self._raise_changed(None)
         try:
             if grown or rerate:  # collective decisions: the step then goes tensor by tensor, after them
+                self._flat_exchange.abandon()
                 if rerate:
                     self._change_ratios()
                 if grown:
@@ -533,24 +539,19 @@ class DistributedSlamb(torch.optim.Optimizer):
         except BaseException:
             self._abort()  # nothing was changed; the countdowns are full again
             raise
-        if bad:
-            self._nonfinite = NonFiniteError(
-                "SLAMB: a non-finite gradient (NaN/Inf, or one whose square overflows) on some rank at step(); "
-                "the step is skipped on every rank, with no state changed", (), [e.names[0] for e in self._engines])
-            return False
-        return not (unready or grown or rerate)
+        return not (unready or grown or rerate), bool(regrad)
 
-    def _step_flat(self):
-        """Flat mode's step: per bucket the core's whole-buffer step on the flat buffers the
-        decision loaded (exchange, update and periodic sync; a constant number of device
-        operations whatever the number of tensors)."""
+    def _step_flat(self, again):
+        """Flat mode's step (:meth:`FlatExchange.step`): False if it was skipped on every rank for a
+        non-finite gradient (``self._nonfinite`` says why)."""
+        err = self._flat_exchange.step(self._engines, again, self._lr_wd)
+        if err is not None:
+            self._nonfinite = err
+            return False
         for e in self._engines:
             e.open = False
-            lr, wd = self._lr_wd(e)
-            with cuda_scope(e.params[0].device):
-                e.rule.step(*e.flat.arrays, lr=lr, weight_decay=wd)
-            e.flat.store()
             self._publish(e)
+        return True
 
     def _changed_anywhere(self):
         """Hooks mode: whether any rank changed a gradient since the agreement (one-word allreduce)."""
@@ -578,7 +579,11 @@ class DistributedSlamb(torch.optim.Optimizer):
             if not self._agreed:
                 self._agree()
             if self._nonfinite is None and self._flat_mode():
-                flat = self._decide_flat()
+                flat, again = self._decide_flat()
+                if flat and not self._step_flat(again):
+                    flat = True  # skipped: self._nonfinite says why
+                elif not flat:
+                    self._flat_exchange.abandon()
             if self._nonfinite is None and not flat and (not self._in_hooks or self._changed_anywhere()):
                 self._exchange_now()
         finally:
@@ -594,7 +599,6 @@ class DistributedSlamb(torch.optim.Optimizer):
             _log.warning("slamb_comm: step skipped on every rank: %s", err)
             return loss
         if flat:
-            self._step_flat()
             contract.reset_countdown(self)
             return loss
         for e in self._engines:
@@ -633,6 +637,23 @@ class DistributedSlamb(torch.optim.Optimizer):
                 for p in bucket.parameters():
                     if p in self._where:
                         self._launch_once(p)
+        elif group and self._flat_mode():  # the device exchange of the bucket's parameters, from here
+            self._launch_flat(bucket)
+
+    def _launch_flat(self, bucket):
+        """Pack and launch the exchange of a DDP bucket's parameters per bucket of SLAMB (flat mode):
+        a bucket that does not match the grouping of the last step launches nothing here (the step's
+        agreement then drops what this step launched, and ``step()`` exchanges)."""
+        by_engine = {}
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if p in self._where:
+                e, _ = self._where[p]
+                by_engine.setdefault(e, ([], []))
+                by_engine[e][0].append(p)
+                by_engine[e][1].append(g)
+        for e, (params, grads) in by_engine.items():
+            if not self._flat_exchange.launch(e, params, grads):
+                return
 
     def zero_grad(self, set_to_none=True):
         """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between

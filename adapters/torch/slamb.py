@@ -437,9 +437,9 @@ class SLAMB(torch.optim.Optimizer):
             if self._requested_ratio(e) != e.comm.ratio:  # a ratio schedule: from this step on
                 self._set_ratio(e)
             lr, wd = self._lr_wd(e)
-            if e.flat is not None and e.flat.ready():  # whole flat buffers (a constant number of launches)
+            if e.flat is not None and e.flat.ready():  # flat parameters, gradients where they are
                 with cuda_scope(e.params[0].device):
-                    e.rule.step(*e.flat.load(), lr=lr, weight_decay=wd)
+                    e.rule.step(e.flat.load(), e.flat.gradients(), lr=lr, weight_decay=wd)
                 e.flat.store()
             else:
                 x = Params(e)
@@ -482,11 +482,14 @@ class SLAMB(torch.optim.Optimizer):
         return [e.comm for e in self._ensure_engines()]
 
     def step_traffic(self):
-        """Bytes of the step just finished (summed over buckets), and start counting anew:
-        a :class:`slamb_comm.Traffic` whose ``payload_bytes`` / ``dense_payload_bytes`` read as
-        "this step moved x of the y bytes a dense allreduce of the gradients would have" -- one
-        dense allreduce per step, also on a periodic sync step, which sends the masked momentum
-        and the parameters (docs/algorithm.md section 4)."""
+        """Bytes of every step since the last call (or since construction or the last
+        ``load_state_dict``), summed over buckets, and start counting anew: a
+        :class:`slamb_comm.Traffic` whose ``payload_bytes`` / ``dense_payload_bytes`` read as
+        "these steps moved x of the y bytes a dense allreduce of the gradients would have" --
+        one dense allreduce per step taken, also on a periodic sync step, which sends the masked
+        momentum and the parameters (docs/algorithm.md section 4). Called once per step, it is
+        that step's bytes. The framework adapters call it at every step and keep the result
+        (``last_traffic``), so under them read that instead."""
         total, dense, size = Traffic(), 0, 1
         for c in self.communicators:
             total = total + c.stats.new_step()

@@ -1,0 +1,480 @@
+"""The device kernels of SLAMB's fused step: one CUDA C source that also compiles for the host.
+
+A GPU optimizer step is bound by device-memory traffic, so :mod:`slamb_comm.fused` runs SLAMB's
+step (docs/algorithm.md section 1) as four kernels over a table of tiles, in the manner of
+apex's FusedLAMB and torch's ``multi_tensor_apply``:
+
+* ``slamb_pack``: reads the gradient once (its finiteness goes into the status word) and writes
+  this rank's new momentum ``b1 m + (1 - b1) g`` on M_t into the payload, for the tiles of one
+  group of tensors (all of them, or one DDP bucket);
+* ``slamb_moments``: commits m and v, puts M_t's means into m, forms the direction w and each
+  tile's four squared norms (x and w, all and on M_t) as float64 partial sums, without storing w;
+* ``slamb_trust``: per tensor, the sum of its tiles' partials (in tile order: deterministic),
+  the two trust ratios and the two rates;
+* ``slamb_update``: recomputes w, derives each element's freshness from the cyclic mask's
+  formula and updates x; flags a non-finite result for the periodic sync.
+
+Nothing of the model's size besides m and v: the mask's positions, the payload index of a
+selected element and its freshness are computed in the kernels from the mask's hash (section 1,
+step 2) and small per-tensor tables. Parameters and gradients are read through tables of device
+addresses, one per tensor, so a fused buffer, a list of arrays and a framework's own gradient
+tensors are read where they are.
+
+**One source, two compilers.** The kernels are written in a small dialect (the ``SLAMB_*``
+macros of :data:`PRELUDE`): on a GPU NVRTC compiles them (``cupy.RawModule``); without one, the
+tests' strict CuPy double compiles the *same text* with the host's C++ compiler, where a block's
+threads run one after another in each ``SLAMB_FOR_THREADS`` phase and ``SLAMB_SYNC`` separates
+phases. So CI executes every line of the kernels' arithmetic. The rules of the dialect: per-thread
+values that must outlive a phase live in ``SLAMB_SHARED`` arrays indexed by the thread; every
+``SLAMB_SYNC`` is reached by the whole block; blocks talk only through atomics on global words.
+Floating-point contraction is off on both sides (``--fmad=false``, ``-ffp-contract=off``) and
+division and square roots are IEEE on both, so the host and the device compute the same bits.
+"""
+
+import numpy as np
+
+__all__ = ["SOURCE", "PRELUDE", "OPTIONS", "THREADS", "TILE", "kernel_name", "module", "launch"]
+
+#: threads per block; a tile is ``TILE`` consecutive elements of one tensor
+THREADS = 256
+TILE = 16 * THREADS
+#: NVRTC options: IEEE arithmetic, as the host build of the tests computes it
+OPTIONS = ("--std=c++14", "--fmad=false")
+
+PRELUDE = f"#define SLAMB_THREADS {THREADS} /* threads per block: the size of every shared array */\n" + r"""
+#if defined(__CUDACC__)
+/* ---- the device: NVRTC ---- */
+#define SLAMB_KERNEL extern "C" __global__ void __launch_bounds__(SLAMB_THREADS)
+#define SLAMB_DEV static __device__ __forceinline__
+#define SLAMB_SHARED __shared__
+#define SLAMB_FOR_THREADS(t) for (unsigned t = threadIdx.x, slamb_once_ = 1; slamb_once_; slamb_once_ = 0)
+#define SLAMB_SYNC() __syncthreads()
+#define SLAMB_FENCE() __threadfence()
+SLAMB_DEV unsigned slamb_atomic_or(unsigned* p, unsigned v) { return atomicOr(p, v); }
+SLAMB_DEV unsigned slamb_atomic_inc(unsigned* p) { return atomicAdd(p, 1u); }
+SLAMB_DEV unsigned short slamb_f2h(float x) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h; }
+SLAMB_DEV unsigned short slamb_d2h(double x) { unsigned short h; asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(x)); return h; }
+SLAMB_DEV float slamb_h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+SLAMB_DEV float slamb_sqrt(float x) { return sqrtf(x); }
+SLAMB_DEV double slamb_sqrt(double x) { return sqrt(x); }
+#define SLAMB_NAN __longlong_as_double(0x7ff8000000000000LL)
+#else
+/* ---- the host: the same text through a C++ compiler (the tests' double) ---- */
+#include <math.h>
+#include <string.h>
+struct slamb_dim3 { unsigned x, y, z; };
+extern "C" { slamb_dim3 blockIdx = {0, 0, 0}, blockDim = {SLAMB_THREADS, 1, 1}, gridDim = {1, 1, 1}; }
+#define SLAMB_KERNEL extern "C" void
+#define SLAMB_DEV static inline
+#define SLAMB_SHARED static
+#define SLAMB_FOR_THREADS(t) for (unsigned t = 0; t < blockDim.x; ++t)
+#define SLAMB_SYNC()
+#define SLAMB_FENCE()
+#define __restrict__
+SLAMB_DEV unsigned slamb_atomic_or(unsigned* p, unsigned v) { unsigned o = *p; *p = o | v; return o; }
+SLAMB_DEV unsigned slamb_atomic_inc(unsigned* p) { return (*p)++; }
+SLAMB_DEV unsigned short slamb_f2h(float x) { _Float16 h = (_Float16)x; unsigned short b; memcpy(&b, &h, 2); return b; }
+SLAMB_DEV unsigned short slamb_d2h(double x) { _Float16 h = (_Float16)x; unsigned short b; memcpy(&b, &h, 2); return b; }
+SLAMB_DEV float slamb_h2f(unsigned short b) { _Float16 h; memcpy(&h, &b, 2); return (float)h; }
+SLAMB_DEV float slamb_sqrt(float x) { return sqrtf(x); }
+SLAMB_DEV double slamb_sqrt(double x) { return sqrt(x); }
+#define SLAMB_NAN ((double)NAN)
+#endif
+"""
+
+_KERNELS = r"""
+typedef unsigned long long u64;
+typedef long long i64;
+#define SLAMB_G1 0x9E3779B97F4A7C15ULL
+
+/* ---- payload values: float16 travels as its bits (unsigned short) ---- */
+SLAMB_DEV void slamb_put(unsigned short* a, i64 i, float x) { a[i] = slamb_f2h(x); }
+SLAMB_DEV void slamb_put(unsigned short* a, i64 i, double x) { a[i] = slamb_d2h(x); }
+SLAMB_DEV void slamb_put(float* a, i64 i, float x) { a[i] = x; }
+SLAMB_DEV void slamb_put(float* a, i64 i, double x) { a[i] = (float)x; }
+SLAMB_DEV void slamb_put(double* a, i64 i, float x) { a[i] = (double)x; }
+SLAMB_DEV void slamb_put(double* a, i64 i, double x) { a[i] = x; }
+SLAMB_DEV float slamb_get(const unsigned short* a, i64 i) { return slamb_h2f(a[i]); }
+SLAMB_DEV float slamb_get(const float* a, i64 i) { return a[i]; }
+SLAMB_DEV double slamb_get(const double* a, i64 i) { return a[i]; }
+
+/* the dtype a mean is scaled in: the wider of the payload's and the parameters' (NumPy's promotion) */
+template <typename P, typename V> struct SlambWide { typedef float T; };
+template <typename V> struct SlambWide<double, V> { typedef double T; };
+template <> struct SlambWide<float, double> { typedef double T; };
+
+SLAMB_DEV float slamb_max(float) { return 3.402823466e38f; }
+SLAMB_DEV double slamb_max(double) { return 1.7976931348623157e308; }
+
+/* ---- the cyclic mask (docs/algorithm.md section 1, step 2) ---- */
+SLAMB_DEV u64 slamb_mix(u64 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+/* the chunk of unit q among C chunks, and its group q / C */
+SLAMB_DEV i64 slamb_chunk(i64 q, i64 C, u64 key, i64* group) {
+  const u64 uq = (u64)q, uc = (u64)C;
+  const u64 g = ((uq | uc) >> 32) == 0 ? (u64)((unsigned)uq / (unsigned)uc) : uq / uc;
+  const u64 h = ((slamb_mix(key + g + SLAMB_G1) >> 32) * uc) >> 32;
+  u64 c = (uq - g * uc) + h;
+  if (c >= uc) c -= uc;
+  *group = (i64)g;
+  return (i64)c;
+}
+
+/* The freshness of unit q after the step: the current mask (C0 chunks, run s0 steps), and, for a
+   unit it has not reached yet, the masks before it (lv: C and steps run, for L - 1 earlier masks,
+   newest first), down to the start, where the freshness was 1. pw[n] = beta3^n. */
+SLAMB_DEV double slamb_fresh(i64 q, u64 key, i64 C0, i64 s0, int L, const i64* lv, const double* pw) {
+  double mult = 1.0;
+  for (int l = 0; l < L; ++l) {
+    const i64 C = l == 0 ? C0 : lv[2 * (l - 1)];
+    const i64 s = l == 0 ? s0 : lv[2 * (l - 1) + 1];
+    if (s <= 0) continue;
+    i64 g;
+    const i64 c = slamb_chunk(q, C, key, &g);
+    const i64 j = (s - 1) % C;
+    if (c <= j) return mult * pw[j - c];
+    if (s > C) return mult * pw[j - c + C];
+    mult *= pw[s];
+  }
+  return mult;
+}
+
+/* Where element i of tensor T goes in the payload, if it is in M_t: a dense tensor's elements all
+   go (base + local index); a compressible one's when its unit is in chunk j (base + its group). */
+SLAMB_DEV bool slamb_selected(i64 i, i64 e, i64 shift, i64 base, u64 key, i64 C, i64 j, i64* at) {
+  if (shift < 0) { *at = base + e; return true; }
+  i64 g;
+  const i64 c = slamb_chunk(i - shift, C, key, &g);
+  *at = base + g;
+  return c == j;
+}
+
+/* ---- kernel 1: the gradient's check and this rank's payload ---- */
+template <typename P, typename V>
+SLAMB_DEV void slamb_pack_impl(
+    const int* __restrict__ tile_tensor, const i64* __restrict__ tile_lo, const i64* __restrict__ tile_hi,
+    i64 tile0, i64 tile1, const u64* __restrict__ gptr, const i64* __restrict__ toff,
+    const i64* __restrict__ tshift, const i64* __restrict__ pbase, const P* __restrict__ m,
+    V* __restrict__ payload, i64 status, double present, double b1, double c1, u64 key, i64 C, i64 j,
+    unsigned* __restrict__ word) {
+  SLAMB_SHARED int slamb_last;
+  const P pb1 = (P)b1, pc1 = (P)c1, big = slamb_max((P)0);
+  for (i64 tile = tile0 + blockIdx.x; tile < tile1; tile += gridDim.x) {
+    const int T = tile_tensor[tile];
+    const i64 lo = tile_lo[tile], hi = tile_hi[tile], off = toff[T], shift = tshift[T], base = pbase[T];
+    const P* g = (const P*)gptr[T];
+    SLAMB_FOR_THREADS(t) {
+      unsigned bad = 0;
+      for (i64 i = lo + t; i < hi; i += blockDim.x) {
+        const i64 e = i - off;
+        const P gi = g[e];
+        const P sq = gi * gi;
+        if (!(sq <= big)) bad = 1; /* NaN, Inf, or a square that overflows v */
+        i64 at;
+        if (slamb_selected(i, e, shift, base, key, C, j, &at)) {
+          const P a = m[i] * pb1;
+          const P b = gi * pc1;
+          slamb_put(payload, at, (P)(a + b));
+        }
+      }
+      if (bad) slamb_atomic_or(word, 1u);
+    }
+  }
+  /* the last block to finish writes the status word, then clears the flags for the next launch */
+  SLAMB_SYNC();
+  SLAMB_FOR_THREADS(t) {
+    if (t == 0) {
+      SLAMB_FENCE();
+      slamb_last = slamb_atomic_inc(word + 1) == gridDim.x - 1;
+    }
+  }
+  SLAMB_SYNC();
+  SLAMB_FOR_THREADS(t) {
+    if (t == 0 && slamb_last) {
+      const unsigned flagged = slamb_atomic_or(word, 0u);
+      slamb_put(payload, status, flagged ? SLAMB_NAN : present);
+      word[3] = flagged ? 1u : 0u; /* this launch's verdict, read only on the failure path */
+      word[0] = 0;
+      word[1] = 0;
+    }
+  }
+}
+
+/* ---- kernel 2: the moments, M_t's means, and the per-tile partial norms ---- */
+template <typename P, typename V>
+SLAMB_DEV void slamb_moments_impl(
+    const int* __restrict__ tile_tensor, const i64* __restrict__ tile_lo, const i64* __restrict__ tile_hi,
+    i64 ntiles, const u64* __restrict__ xptr, const u64* __restrict__ gptr, const i64* __restrict__ toff,
+    const i64* __restrict__ tshift, const i64* __restrict__ pbase, P* __restrict__ m, P* __restrict__ v,
+    const V* __restrict__ payload, double scale, double b1, double c1b1, double b2, double c1b2,
+    double eps_t, double wd, const double* __restrict__ wd_table, int wd_each, double s_u, u64 key, i64 C,
+    i64 j, double* __restrict__ partials) {
+  typedef typename SlambWide<P, V>::T W;
+  SLAMB_SHARED double sh[4][SLAMB_THREADS];
+  const P pb1 = (P)b1, pc1 = (P)c1b1, pb2 = (P)b2, pc2 = (P)c1b2, ceps = (P)eps_t;
+  const W wscale = (W)scale;
+  for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int T = tile_tensor[tile];
+    const i64 lo = tile_lo[tile], hi = tile_hi[tile], off = toff[T], shift = tshift[T], base = pbase[T];
+    const P* x = (const P*)xptr[T];
+    const P* g = (const P*)gptr[T];
+    const double wdv = wd_each ? wd_table[T] : wd;
+    const P cwd = (P)(wdv / s_u);
+    SLAMB_FOR_THREADS(t) {
+      double xx = 0.0, ww = 0.0, xs = 0.0, ws = 0.0;
+      for (i64 i = lo + t; i < hi; i += blockDim.x) {
+        const i64 e = i - off;
+        const P gi = g[e], xi = x[e];
+        const P ma = m[i] * pb1, mb = gi * pc1;
+        P mi = ma + mb;
+        const P va = v[i] * pb2, vb = (gi * gi) * pc2;
+        const P vi = va + vb;
+        i64 at;
+        const bool sel = slamb_selected(i, e, shift, base, key, C, j, &at);
+        if (sel) {
+          W mean = (W)slamb_get(payload, at);
+          if (scale != 1.0) mean = mean * wscale;
+          mi = (P)mean;
+        }
+        m[i] = mi;
+        v[i] = vi;
+        P w = mi / (slamb_sqrt(vi) + ceps);
+        if (wdv != 0.0) w = w + xi * cwd;
+        const double dx = (double)xi, dw = (double)w;
+        xx += dx * dx;
+        ww += dw * dw;
+        if (sel) {
+          xs += dx * dx;
+          ws += dw * dw;
+        }
+      }
+      sh[0][t] = xx;
+      sh[1][t] = ww;
+      sh[2][t] = xs;
+      sh[3][t] = ws;
+    }
+    SLAMB_SYNC();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+      SLAMB_FOR_THREADS(t) {
+        if (t < s) {
+          for (int k = 0; k < 4; ++k) sh[k][t] += sh[k][t + s];
+        }
+      }
+      SLAMB_SYNC();
+    }
+    SLAMB_FOR_THREADS(t) {
+      if (t == 0) {
+        for (int k = 0; k < 4; ++k) partials[4 * tile + k] = sh[k][0];
+      }
+    }
+    SLAMB_SYNC();
+  }
+}
+
+/* ---- kernel 3: per tensor, the norms from its tiles' partials, the trust ratios, the rates ---- */
+SLAMB_DEV double slamb_trust_ratio(double xn, double un, double c_min, double c_max) {
+  if (xn > 0.0 && un > 0.0) {
+    const double r = xn / un;
+    return r < c_min ? c_min : (r > c_max ? c_max : r);
+  }
+  return 1.0;
+}
+
+SLAMB_KERNEL slamb_trust(
+    const double* __restrict__ partials, const i64* __restrict__ tt0, const i64* __restrict__ ntt, i64 ntensors,
+    double s_u, double lr, const double* __restrict__ lr_table, int lr_each, double sqrt_p, double c_min,
+    double c_max, double* __restrict__ rates, unsigned* __restrict__ word) {
+  SLAMB_SHARED double sh[4][SLAMB_THREADS];
+  SLAMB_FOR_THREADS(t) {
+    if (blockIdx.x == 0 && t == 0) word[2] = 0; /* the update's finiteness flag, for this step */
+  }
+  for (i64 k = blockIdx.x; k < ntensors; k += gridDim.x) {
+    const i64 first = tt0[k], count = ntt[k];
+    SLAMB_FOR_THREADS(t) {
+      double a[4] = {0.0, 0.0, 0.0, 0.0};
+      for (i64 q = t; q < count; q += blockDim.x) {
+        for (int c = 0; c < 4; ++c) a[c] += partials[4 * (first + q) + c];
+      }
+      for (int c = 0; c < 4; ++c) sh[c][t] = a[c];
+    }
+    SLAMB_SYNC();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+      SLAMB_FOR_THREADS(t) {
+        if (t < s) {
+          for (int c = 0; c < 4; ++c) sh[c][t] += sh[c][t + s];
+        }
+      }
+      SLAMB_SYNC();
+    }
+    SLAMB_FOR_THREADS(t) {
+      if (t == 0) {
+        const double s2 = s_u * s_u;
+        const double xx = sh[0][0], uu = sh[1][0] * s2, xs = sh[2][0], us = sh[3][0] * s2;
+        const double xa = xx - xs > 0.0 ? xx - xs : 0.0, ua = uu - us > 0.0 ? uu - us : 0.0;
+        const double phi_s = slamb_trust_ratio(sqrt(xs), sqrt(us), c_min, c_max);
+        const double phi_a = slamb_trust_ratio(sqrt(xa), sqrt(ua), c_min, c_max);
+        const double l = lr_each ? lr_table[k] : lr;
+        rates[2 * k] = l * s_u * phi_s;
+        rates[2 * k + 1] = l * s_u / sqrt_p * phi_a;
+      }
+    }
+    SLAMB_SYNC();
+  }
+}
+
+/* ---- kernel 4: x -= (rate_S f + rate_A (1 - f)) u, w recomputed, f derived ---- */
+template <typename P>
+SLAMB_DEV void slamb_update_impl(
+    const int* __restrict__ tile_tensor, const i64* __restrict__ tile_lo, const i64* __restrict__ tile_hi,
+    i64 ntiles, const u64* __restrict__ xptr, const i64* __restrict__ toff, const i64* __restrict__ tshift,
+    const P* __restrict__ m, const P* __restrict__ v, double eps_t, double wd, const double* __restrict__ wd_table,
+    int wd_each, double s_u, const double* __restrict__ rates, u64 key, i64 C0, i64 s0, int L, const i64* __restrict__ lv,
+    const double* __restrict__ pw, unsigned* __restrict__ word) {
+  const P ceps = (P)eps_t, big = slamb_max((P)0);
+  for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int T = tile_tensor[tile];
+    const i64 lo = tile_lo[tile], hi = tile_hi[tile], off = toff[T], shift = tshift[T];
+    P* x = (P*)xptr[T];
+    const double wdv = wd_each ? wd_table[T] : wd;
+    const P cwd = (P)(wdv / s_u);
+    const double rs = rates[2 * T], ra = rates[2 * T + 1];
+    SLAMB_FOR_THREADS(t) {
+      unsigned bad = 0;
+      for (i64 i = lo + t; i < hi; i += blockDim.x) {
+        const i64 e = i - off;
+        const P xi = x[e];
+        P w = m[i] / (slamb_sqrt(v[i]) + ceps);
+        if (wdv != 0.0) w = w + xi * cwd;
+        P coef;
+        if (shift < 0) {
+          coef = (P)rs;
+        } else {
+          const double f = slamb_fresh(i - shift, key, C0, s0, L, lv, pw);
+          coef = (P)(rs * f + ra * (1.0 - f));
+        }
+        const P nx = xi - coef * w;
+        x[e] = nx;
+        if (!((nx < 0 ? -nx : nx) <= big)) bad = 1; /* NaN or Inf: the periodic sync refuses it */
+      }
+      if (bad) slamb_atomic_or(word + 2, 1u);
+    }
+  }
+}
+
+/* ---- a range of the fused order between the tensors (through their addresses) and a buffer ---- */
+template <typename P>
+SLAMB_DEV void slamb_copy_impl(
+    const int* __restrict__ tile_tensor, const i64* __restrict__ tile_lo, const i64* __restrict__ tile_hi,
+    i64 tile0, i64 tile1, const u64* __restrict__ xptr, const i64* __restrict__ toff, P* __restrict__ buf, i64 lo,
+    i64 hi, double scale, int into_tensors) {
+  const P s = (P)scale;
+  for (i64 tile = tile0 + blockIdx.x; tile < tile1; tile += gridDim.x) {
+    const int T = tile_tensor[tile];
+    const i64 a = tile_lo[tile] > lo ? tile_lo[tile] : lo, b = tile_hi[tile] < hi ? tile_hi[tile] : hi;
+    const i64 off = toff[T];
+    P* x = (P*)xptr[T];
+    SLAMB_FOR_THREADS(t) {
+      for (i64 i = a + t; i < b; i += blockDim.x) {
+        if (into_tensors) {
+          const P v = buf[i - lo];
+          x[i - off] = scale == 1.0 ? v : v * s;
+        } else {
+          const P v = x[i - off];
+          buf[i - lo] = scale == 1.0 ? v : v * s;
+        }
+      }
+    }
+  }
+}
+
+/* ---- the instances: parameters float32/float64 (f4/f8), payload float16/32/64 (h2/f4/f8) ---- */
+#define SLAMB_PACK(P, V, NAME) \
+  SLAMB_KERNEL slamb_pack_##NAME(const int* a0, const i64* a1, const i64* a2, i64 a3, i64 a4, const u64* a5, \
+      const i64* a6, const i64* a7, const i64* a8, const P* a9, V* a10, i64 a11, double a12, double a13, \
+      double a14, u64 a15, i64 a16, i64 a17, unsigned* a18) { \
+    slamb_pack_impl<P, V>(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18); }
+#define SLAMB_MOMENTS(P, V, NAME) \
+  SLAMB_KERNEL slamb_moments_##NAME(const int* a0, const i64* a1, const i64* a2, i64 a3, const u64* a4, \
+      const u64* a5, const i64* a6, const i64* a7, const i64* a8, P* a9, P* a10, const V* a11, double a12, \
+      double a13, double a14, double a15, double a16, double a17, double a18, const double* a19, int a20, \
+      double a21, u64 a22, i64 a23, i64 a24, double* a25) { \
+    slamb_moments_impl<P, V>(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, \
+                             a18, a19, a20, a21, a22, a23, a24, a25); }
+#define SLAMB_UPDATE(P, NAME) \
+  SLAMB_KERNEL slamb_update_##NAME(const int* a0, const i64* a1, const i64* a2, i64 a3, const u64* a4, \
+      const i64* a5, const i64* a6, const P* a7, const P* a8, double a9, double a10, const double* a11, \
+      int a12, double a13, const double* a14, u64 a15, i64 a16, i64 a17, int a18, const i64* a19, \
+      const double* a20, unsigned* a21) { \
+    slamb_update_impl<P>(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, \
+                         a19, a20, a21); }
+SLAMB_PACK(float, unsigned short, f4h2)
+SLAMB_PACK(float, float, f4f4)
+SLAMB_PACK(float, double, f4f8)
+SLAMB_PACK(double, unsigned short, f8h2)
+SLAMB_PACK(double, float, f8f4)
+SLAMB_PACK(double, double, f8f8)
+SLAMB_MOMENTS(float, unsigned short, f4h2)
+SLAMB_MOMENTS(float, float, f4f4)
+SLAMB_MOMENTS(float, double, f4f8)
+SLAMB_MOMENTS(double, unsigned short, f8h2)
+SLAMB_MOMENTS(double, float, f8f4)
+SLAMB_MOMENTS(double, double, f8f8)
+SLAMB_UPDATE(float, f4)
+SLAMB_UPDATE(double, f8)
+#define SLAMB_COPY(P, NAME) \
+  SLAMB_KERNEL slamb_copy_##NAME(const int* a0, const i64* a1, const i64* a2, i64 a3, i64 a4, const u64* a5, \
+      const i64* a6, P* a7, i64 a8, i64 a9, double a10, int a11) { \
+    slamb_copy_impl<P>(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11); }
+SLAMB_COPY(float, f4)
+SLAMB_COPY(double, f8)
+"""
+
+SOURCE = PRELUDE + _KERNELS
+
+_CODES = {"float16": "h2", "float32": "f4", "float64": "f8"}
+
+
+def kernel_name(kind, param_dtype, value_dtype=None):
+    """The instance of ``kind`` ('pack', 'moments', 'update', 'copy', 'trust') for these dtypes."""
+    if kind == "trust":
+        return "slamb_trust"
+    code = _CODES[np.dtype(param_dtype).name]
+    if value_dtype is not None:
+        code += _CODES[np.dtype(value_dtype).name]
+    return f"slamb_{kind}_{code}"
+
+
+_MODULES = {}  # (library, device, source) -> the compiled module
+
+
+def module(xp, source=SOURCE):
+    """The compiled kernels of ``source`` (:data:`SOURCE`, or another module's kernels written in
+    the same dialect after :data:`PRELUDE`) for the library ``xp`` (CuPy, or the tests' double) on
+    the current device: compiled at the first use in a process (CuPy also caches it on disk), then
+    kept."""
+    key = (id(xp), xp.cuda.Device().id, id(source))
+    mod = _MODULES.get(key)
+    if mod is None:
+        mod = _MODULES[key] = xp.RawModule(code=source, options=OPTIONS)
+    return mod
+
+
+def launch(xp, name, grid, args, reads, writes, source=SOURCE):
+    """Launch kernel ``name`` of ``source`` with ``grid`` blocks of :data:`THREADS` on the current
+    stream.
+
+    ``reads``/``writes``: the bytes it moves in device memory, as ``[(what, nbytes), ...]``. A
+    GPU ignores them; a library whose kernels can report them is given them (the tests' strict
+    double charges them to its byte counters; it checks by execution that no array behind a
+    ``const`` pointer changed, not the declared byte counts themselves)."""
+    fn = module(xp, source).get_function(name)
+    grid = (max(1, int(grid)),)
+    declared = getattr(fn, "launch_declared", None)
+    if declared is not None:
+        declared(grid, (THREADS,), args, reads=reads, writes=writes)
+    else:
+        fn(grid, (THREADS,), args)
