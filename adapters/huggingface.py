@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import accelerate
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 import transformers
 
 from slamb_comm.codecs import TopK
@@ -49,6 +50,8 @@ from slamb_comm.stats import Traffic
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SAdamW, SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .torch.averaging import averaged_state_dict, traffic_metrics
+from .torch.contract import ContractMethods, comm_hook_states
+from .torch.distributed_slamb import DistributedSlamb
 from .torch.rank_files import resume_state
 
 __all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state", "step_metrics"]
@@ -81,12 +84,10 @@ def _distributed():
 def _swap(accelerated, inner):
     """Put ``inner`` inside an Accelerate ``AcceleratedOptimizer`` in place of what it wrapped
     (and redo its GradScaler step patch, which is bound to the wrapped optimizer's ``step``)."""
-    accelerated.optimizer = inner
-    if getattr(accelerated, "scaler", None) is not None:
-        from accelerate.optimizer import patch_optimizer_step
-
-        accelerated._optimizer_original_step_method = inner.step
-        accelerated._optimizer_patched_step_method = patch_optimizer_step(accelerated, inner.step)
+    # Accelerate's own constructor again, on the same object: it keeps the optimizer and redoes
+    # its GradScaler step patch (attributes of its own, no public setter) for the new one
+    AcceleratedOptimizer.__init__(
+        accelerated, inner, device_placement=accelerated.device_placement, scaler=accelerated.scaler)
 
 
 def install(model, optimizer=None, compression=None, grad_scaler=None):
@@ -122,37 +123,49 @@ def install(model, optimizer=None, compression=None, grad_scaler=None):
                             f"{type(model).__name__} with {torch.distributed.get_world_size()} processes: pass "
                             "the prepared model (FSDP and DeepSpeed are not supported)")
         return None
-    if any(isinstance(s, (SlambHookState, TopKHookState)) for _, s in getattr(ddp, "_comm_hooks", [])):
+    if any(isinstance(s, (SlambHookState, TopKHookState)) for s in comm_hook_states(ddp)):
         raise RuntimeError("slamb_comm's hook is registered on this DDP model already: call install() once")
-    inner = getattr(optimizer, "optimizer", optimizer)  # inside an AcceleratedOptimizer, or as given
     if compression is not None:
-        if not isinstance(compression, TopK):
-            raise TypeError(f"compression must be a slamb_comm.TopK, got {compression!r}")
-        if isinstance(inner, (SLAMB, OneBitLAMB)) or hasattr(inner, "_coll"):
-            raise TypeError(f"install(compression=TopK(...)) is for a plain torch optimizer, got "
-                            f"{type(inner).__name__}: under DDP keep your optimizer unwrapped, or install() "
-                            "without compression for SLAMB")
-        state = TopKHookState(ddp.module.named_parameters(), compression, grad_scaler=grad_scaler)
-        if getattr(optimizer, "_slamb_rank_hook_state", None) is not None:  # from load_rank_state
-            state.load_state_dict(optimizer._slamb_rank_hook_state)
-        ddp.register_comm_hook(state, topk_hook)
-        return state
+        return _install_topk(ddp, optimizer, compression, grad_scaler)
     if grad_scaler is not None:
         raise ValueError("grad_scaler= is for top-k; SLAMB exchanges the unscaled gradients by itself")
+    return _install_slamb(ddp, optimizer)
+
+
+def _install_topk(ddp, optimizer, compression, grad_scaler):
+    """:func:`install`'s top-k hook under the plain torch ``optimizer`` (or None)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # inside an AcceleratedOptimizer, or as given
+    if not isinstance(compression, TopK):
+        raise TypeError(f"compression must be a slamb_comm.TopK, got {compression!r}")
+    if isinstance(inner, (SLAMB, OneBitLAMB, ContractMethods)):
+        raise TypeError(f"install(compression=TopK(...)) is for a plain torch optimizer, got "
+                        f"{type(inner).__name__}: under DDP keep your optimizer unwrapped, or install() "
+                        "without compression for SLAMB")
+    state = TopKHookState(ddp.module.named_parameters(), compression, grad_scaler=grad_scaler)
+    if optimizer in _LOADED_HOOK_STATES:  # from load_rank_state
+        state.load_state_dict(_LOADED_HOOK_STATES.pop(optimizer))
+    ddp.register_comm_hook(state, topk_hook)
+    return state
+
+
+def _install_slamb(ddp, optimizer):
+    """:func:`install`'s SLAMB hook: the SLAMB inside ``optimizer`` made distributed (in place,
+    inside the ``AcceleratedOptimizer``) and bound to the hook."""
+    inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, SLAMB):
         raise TypeError("install(model, optimizer) trains a slamb_comm.adapters.torch.SLAMB optimizer (prepare "
                         f"SLAMB(model.parameters(), lr=..., ratio=0.1)), got {type(inner).__name__}; to keep your "
                         "optimizer, use install(model, compression=slamb_comm.TopK(0.01))")
-    dist = inner if hasattr(inner, "_launch") else DistributedOptimizer(
+    dist = inner if isinstance(inner, DistributedSlamb) else DistributedOptimizer(
         inner, named_parameters=ddp.module.named_parameters())
     if dist is not inner:
-        if optimizer is inner:
+        if not isinstance(optimizer, AcceleratedOptimizer):
             raise TypeError("install() got a bare SLAMB that is not inside an AcceleratedOptimizer: pass what "
                             "accelerator.prepare returned (or DistributedOptimizer(SLAMB(...)) yourself)")
         _swap(optimizer, dist)
     ddp.register_comm_hook(SlambHookState(dist), slamb_hook)
     _average_saved_weights(ddp)
-    return dist._slamb_hook_state
+    return dist.hook_state
 
 
 def step_metrics(hook_state):
@@ -179,6 +192,7 @@ def _traffic_source(hook_state):
 
 
 # ----------------------------------------------------------------------------- the saved model under Accelerate
+_LOADED_HOOK_STATES = weakref.WeakKeyDictionary()  # optimizer -> a top-k hook state load_rank_state read
 _AVERAGED = weakref.WeakKeyDictionary()  # a DDP model install() put SLAMB on, and its .module -> DDP's group
 
 
@@ -253,7 +267,7 @@ def load_rank_state(directory, model, optimizer, hook_state=None):
         if isinstance(hook_state, TopKHookState):
             hook_state.load_state_dict(own["hook_state"])
         else:
-            optimizer._slamb_rank_hook_state = own["hook_state"]
+            _LOADED_HOOK_STATES[optimizer] = own["hook_state"]
     return True
 
 
@@ -268,7 +282,7 @@ class _Install(transformers.TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
         ddp = _ddp_of(t.model_wrapped)
-        if ddp is not None and any(isinstance(s, (SlambHookState, TopKHookState)) for _, s in ddp._comm_hooks):
+        if ddp is not None and any(isinstance(s, (SlambHookState, TopKHookState)) for s in comm_hook_states(ddp)):
             return  # a second train() on the same DDP model
         scaler = getattr(t.accelerator, "scaler", None) if t.compression is not None else None
         t.hook_state = install(t.model_wrapped, t.optimizer, compression=t.compression, grad_scaler=scaler)
@@ -370,7 +384,7 @@ class SlambTrainer(transformers.Trainer):
                                 "pass a slamb_comm.adapters.torch.SLAMB, or none (SLAMB from the arguments), or "
                                 "compression=slamb_comm.TopK(...) to keep your optimizer")
             _warn_if_adamw_lr(self.optimizer)
-            if _distributed() and not hasattr(self.optimizer, "_launch"):
+            if _distributed() and not isinstance(self.optimizer, DistributedSlamb):
                 self.optimizer = DistributedOptimizer(self.optimizer, named_parameters=model.named_parameters())
         return self.optimizer
 
@@ -392,6 +406,8 @@ class SlambTrainer(transformers.Trainer):
         finally:
             self._mean_state = None
 
+    # The Trainer's own save and load steps (private methods, no public hook: its callbacks run
+    # after the checkpoint is complete and never see a resume's directory), extended.
     def _save(self, output_dir=None, state_dict=None):
         super()._save(output_dir, state_dict=self._mean_state if state_dict is None else state_dict)
 

@@ -47,6 +47,8 @@ from slamb_comm.codecs import TopK
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .torch.averaging import averaged_state_dict, traffic_metrics
+from .torch.contract import ContractMethods
+from .torch.distributed_slamb import DistributedSlamb
 from .torch.rank_files import resume_state
 
 __all__ = ["SlambDDPStrategy", "rank_state_path"]
@@ -130,7 +132,7 @@ class SlambDDPStrategy(DDPStrategy):
         opts = list(self.optimizers)
         if self.compression is not None:
             for opt in opts:
-                if isinstance(opt, (SLAMB, OneBitLAMB)) or hasattr(opt, "_coll"):
+                if isinstance(opt, (SLAMB, OneBitLAMB, ContractMethods)):
                     raise TypeError(f"SlambDDPStrategy(compression=TopK(...)) exchanges top-k gradients for a plain "
                                     f"torch optimizer, but configure_optimizers returned {type(opt).__name__}: return "
                                     "your torch optimizer (not DistributedOptimizer), or SlambDDPStrategy() for SLAMB")
@@ -144,16 +146,17 @@ class SlambDDPStrategy(DDPStrategy):
                             "SlambDDPStrategy(compression=slamb_comm.TopK(0.01)) instead")
         i = slambs[0]
         bare = opts[i]
-        dist = bare if hasattr(bare, "_launch") else DistributedOptimizer(
+        dist = bare if isinstance(bare, DistributedSlamb) else DistributedOptimizer(
             bare, named_parameters=self.lightning_module.named_parameters())
         self.hook_state.bind(dist)
         if dist is not bare:
             opts[i] = dist
             self.optimizers = opts  # Lightning's setter rebuilds its LightningOptimizer wrappers
-            for config in self.lr_scheduler_configs:  # the schedulers step the same param_groups
-                if getattr(config.scheduler, "optimizer", None) is bare:
-                    config.scheduler.optimizer = dist
-                    _mark_step_tracked(dist)
+            moved = [c.scheduler for c in self.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is bare]
+            for scheduler in moved:  # the schedulers step the same param_groups
+                scheduler.optimizer = dist
+            if moved:
+                _mark_step_tracked(dist)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """The step (as ``DDPStrategy``), then its bytes: ``last_traffic`` and the module's log."""
@@ -231,14 +234,13 @@ class SlambDDPStrategy(DDPStrategy):
 
 def _mark_step_tracked(opt):
     """As torch's LR schedulers mark an optimizer's ``step`` (so a scheduler moved onto the
-    distributed optimizer does not warn that it stepped before the optimizer)."""
-    if hasattr(opt.step, "_wrapped_by_lr_sched"):
-        return
+    distributed optimizer does not warn that it stepped before the optimizer). The two marks are
+    torch's ``LRScheduler``'s own attributes, read by its ``step()`` (no public equivalent)."""
     step = opt.step
 
     def wrapper(*args, **kwargs):
-        opt._opt_called = True
+        opt._opt_called = True  # torch's LRScheduler mark: the optimizer stepped
         return step(*args, **kwargs)
 
-    wrapper._wrapped_by_lr_sched = True
+    wrapper._wrapped_by_lr_sched = True  # torch's LRScheduler mark: the step is tracked
     opt.step = wrapper

@@ -143,7 +143,7 @@ def main(argv=None):
         q.add_argument("--matmuls", type=int, default=1, help="fixed compute: matmuls per step")
         q.add_argument("--matmul-dim", type=int, default=1024)
         q.add_argument("--sync-interval", type=int, default=100)
-        q.add_argument("--optimizer", action="store_true", help="include the optimizer update (LAMB / Slamb.step)")
+        q.add_argument("--optimizer", action="store_true", help="include the optimizer update (LAMB / SlambRule.step)")
     q.add_argument("--method", choices=("dense", "dense_hvd", "slamb"), default="dense")
     q.add_argument("--ratio", type=float, default=0.1)
     q.add_argument("--value-dtype", default="float16")

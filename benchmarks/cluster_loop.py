@@ -11,7 +11,7 @@ exchange:
   steps, its measured time amortised over H;
 
 and with ``--optimizer``: ``dense`` then runs a NumPy LAMB update on the mean gradient
-and ``slamb`` runs ``slamb_comm.slamb.Slamb.step`` (moments, masked allreduce, trust
+and ``slamb`` runs ``slamb_comm.slamb.SlambRule.step`` (moments, masked allreduce, trust
 ratios, update, sync), so a step is compute + optimizer + communication.
 
 ``bench`` runs the loop with each method for every node count and link rate (CSV, PNG and
@@ -64,9 +64,9 @@ def loop_main(args):
         comm = sc.Communicator(transport, layout, ratio=1.0, seed=3)
     opt = None
     if args.optimizer and args.method == "slamb":
-        from slamb_comm.slamb import Slamb
+        from slamb_comm.slamb import SlambRule
 
-        opt = Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9, sync_interval=args.sync_interval)
+        opt = SlambRule(comm, lr=0.01, weight_decay=0.01, beta3=0.9, sync_interval=args.sync_interval)
     lamb = _Lamb(layout, np) if args.optimizer and args.method != "slamb" else None
     gbuf = np.empty(n, np.float32)
     m = grads[0].copy()
@@ -317,7 +317,7 @@ def plot_cluster(rows, path):
     ax.set_ylabel("step time, ms (median of slowest rank)\nlabels: step / dense step")
     n = int(ok[0]["elements"]) if ok else 0
     opt = ok and int(ok[0].get("optimizer", 0))
-    what = ("dense = fused fp32 allreduce + NumPy LAMB; slamb = Slamb.step (k=0.1 fp16, sync every H)" if opt else
+    what = ("dense = fused fp32 allreduce + NumPy LAMB; slamb = SlambRule.step (k=0.1 fp16, sync every H)" if opt else
             "dense = fused fp32 allreduce; slamb = masked allreduce k=0.1 fp16 + sync/H")
     ax.set_title(f"emulated cluster (netns + tc tbf per node link, TCP), {n / 2**20:g}M fp32 elements\n"
                  f"{what}\nhatched = compute; 'none' = netns without rate limit; 'local' = plain mpirun, shared memory",

@@ -24,7 +24,7 @@ would be always dense (exchanged whole) and the three layouts would not do the s
 Measured, each on the step after ``--warmup`` steps of the same kind (allocations and the
 first step's one-time work are not counted):
 
-* ``slamb``: one :meth:`slamb_comm.slamb.Slamb.step` (ratio 0.1, cyclic mask, lr 1e-3, weight
+* ``slamb``: one :meth:`slamb_comm.slamb.SlambRule.step` (ratio 0.1, cyclic mask, lr 1e-3, weight
   decay 0.01, payload ``--dtypes``), with the default ``sync_interval`` (100: a step without
   the periodic parameter sync) and with ``sync_interval=1`` (every step a sync step), on one
   fused buffer (``fused``) and on one array per tensor (``list``); and on a fused buffer in the
@@ -172,7 +172,7 @@ def run_slamb(data, vdt, ranks, H, warmup, dense_threshold, form="fused", when="
     (after the mask's first cycle), 'first cycle' (the fourth step), 'ratio change' (the second
     step after a change of the ratio from 0.1 to 0.2)."""
     import slamb_comm as sc
-    from slamb_comm.slamb import Slamb
+    from slamb_comm.slamb import SlambRule
 
     cp = sys.modules["cupy"]
     gc.collect()
@@ -181,7 +181,7 @@ def run_slamb(data, vdt, ranks, H, warmup, dense_threshold, form="fused", when="
     xs, gs = (x, g) if form == "fused" else (lay.views(x), lay.views(g))
     base = strict_cupy.memory()
     comm = sc.Communicator(transport(ranks), lay, ratio=0.1, mask="cyclic", value_dtype=vdt, seed=1)
-    opt = Slamb(comm, lr=1e-3, weight_decay=0.01, sync_interval=H)
+    opt = SlambRule(comm, lr=1e-3, weight_decay=0.01, sync_interval=H)
     for t in range({"settled": max(warmup, 21), "first cycle": 3, "ratio change": 21}[when]):
         opt.step(xs, gs)
     if when == "ratio change":
@@ -252,7 +252,7 @@ def _fmt_ops(counter, per=1, top=8):
     return "; ".join(f"{k} {v / per:.3g}" for k, v in counter.most_common(top))
 
 
-NAMES = {"slamb": "Slamb.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce", "adapter": "torch adapter"}
+NAMES = {"slamb": "SlambRule.step", "topk": "sparse_allgather", "onebit": "onebit_allreduce", "adapter": "torch adapter"}
 
 
 def jobs_of(args, data):

@@ -57,7 +57,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import fields
 
 for _k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_k, "1")  # one thread per rank: 2 ranks on 2 cores
@@ -234,7 +233,7 @@ def _kind_diff(before, after):
     out = {}
     for kind, t in after.items():
         b = before.get(kind, slamb_comm.Traffic())
-        d = slamb_comm.Traffic(*(getattr(t, f.name) - getattr(b, f.name) for f in fields(t)))
+        d = t - b
         if d.calls:
             out[kind] = d
     return out

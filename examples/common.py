@@ -220,7 +220,8 @@ def build_optimizer(args, model):
         opt = hvd.DistributedOptimizer(base, named_parameters=named)
     dense = sum(p.numel() * 4 for p in params)
     wire = slamb_comm.stats.allreduce_wire(dense, hvd.size())
-    return opt, lambda: slamb_comm.Traffic(1, dense, wire, dense, wire)
+    return opt, lambda: slamb_comm.Traffic(calls=1, payload_bytes=dense, wire_bytes=wire, dense_payload_bytes=dense,
+                                           dense_wire_bytes=wire)
 
 
 def averaged_copy(model):

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 
 def rss_mb():
@@ -28,7 +28,7 @@ def test_ten_thousand_steps_no_growth_and_bitwise_syncs():
     rng = np.random.default_rng(me)
     x = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, value_dtype="float16", seed=1)
-    opt = Slamb(comm, lr=1e-3, weight_decay=0.01, beta3=0.9, sync_interval=100)
+    opt = SlambRule(comm, lr=1e-3, weight_decay=0.01, beta3=0.9, sync_interval=100)
     target = [np.full(s, 0.5, np.float32) for s in shapes]
     grads = [np.empty(s, np.float32) for s in shapes]
     steps, syncs, mem = 10_000, 0, {}

@@ -327,10 +327,10 @@ LAMB_OPTIONS = [dict(), dict(weight_decay=0.01, bias_correction=True, factor_thr
 
 
 def lamb_for(**kw):
-    from slamb_comm.onebit_lamb import OneBitLamb
+    from slamb_comm.onebit_lamb import OneBitLambRule
 
     comm = sc.Communicator(sc.MPITransport(), make(ME, 0), seed=3)
-    return OneBitLamb(comm, **kw)
+    return OneBitLambRule(comm, **kw)
 
 
 def params():

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import slamb_comm as sc
 from slamb_comm import checkpoint
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 from slamb_reference import ReferenceSlamb
 from test_slamb import SHAPES, rank_grads, rank_params
 
@@ -54,7 +54,7 @@ H, RATIO, STEPS, MORE = 100, 0.25, 6, 4
 
 
 def slamb_of(transport, x):
-    return Slamb(sc.Communicator(transport, x, ratio=RATIO, seed=11), lr=0.02, weight_decay=0.01, beta3=0.9,
+    return SlambRule(sc.Communicator(transport, x, ratio=RATIO, seed=11), lr=0.02, weight_decay=0.01, beta3=0.9,
                  sync_interval=H)
 
 

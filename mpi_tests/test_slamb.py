@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
 
@@ -46,7 +46,7 @@ def _run(ratio, dtype, value_dtype, steps, H, beta3, wd, block, schedule, cp):
     x = rank_params(me, dtype)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=ratio, mask="cyclic", seed=11, value_dtype=value_dtype,
                            block=block)
-    opt = Slamb(comm, lr=0.02, weight_decay=wd, beta3=beta3, sync_interval=H)
+    opt = SlambRule(comm, lr=0.02, weight_decay=wd, beta3=beta3, sync_interval=H)
     if cp is not None:
         flat = cp.asarray(np.concatenate([a.ravel() for a in x]))
     ref = ReferenceSlamb([rank_params(r, dtype) for r in range(P)], comm.layout.offsets, lr=0.02,
@@ -126,7 +126,7 @@ def test_ratio_change_resumes_bitwise_mid_transition():
 
     def make():
         x = rank_params(me, np.float32)
-        return x, Slamb(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01, sync_interval=6)
+        return x, SlambRule(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01, sync_interval=6)
 
     def steps(x, o, ts):
         for t in ts:
@@ -156,7 +156,7 @@ def test_ratio_changed_on_one_rank_raises_on_every_rank():
     if P < 2:
         pytest.skip("needs 2 ranks")
     x = rank_params(me, np.float32)
-    opt = Slamb(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01)
+    opt = SlambRule(sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5), lr=0.01)
     opt.step(x, rank_grads(me, 1, x, np.float32))
     culprit = P - 1
     if me == culprit:
@@ -247,7 +247,7 @@ def test_nonfinite_gradient_on_one_rank_changes_nothing(policy, caplog):
     P, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
     x = rank_params(me, np.float32)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=3)
-    opt = Slamb(comm, lr=0.01, on_nonfinite=policy)
+    opt = SlambRule(comm, lr=0.01, on_nonfinite=policy)
     opt.step(x, rank_grads(me, 1, x, np.float32))
     before = ([a.copy() for a in x], opt.state_dict())
     g = rank_grads(me, 2, x, np.float32)
@@ -282,7 +282,7 @@ def test_resume_is_bitwise():
     def make():
         x = rank_params(me, np.float32)
         comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=5)
-        return x, Slamb(comm, lr=0.01, sync_interval=4)
+        return x, SlambRule(comm, lr=0.01, sync_interval=4)
 
     x1, o1 = make()
     for t in range(1, 11):
@@ -313,7 +313,7 @@ def test_checkpoint_directory_resume_is_bitwise_and_atomic(tmp_path_factory):
 
     def make():
         x = rank_params(me, np.float32)
-        return x, Slamb(sc.Communicator(transport, x, ratio=0.1, seed=9), lr=0.01, sync_interval=3)
+        return x, SlambRule(sc.Communicator(transport, x, ratio=0.1, seed=9), lr=0.01, sync_interval=3)
 
     x1, o1 = make()
     for t in range(1, 9):
@@ -364,4 +364,4 @@ def test_mismatched_options_fail_on_every_rank():
     x = rank_params(me, np.float32)
     comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1, seed=3)
     with pytest.raises(sc.ConfigError, match=rf"rank\(s\) \[{P - 1}\] differ"):
-        Slamb(comm, lr=0.01, beta3=0.9 if me < P - 1 else 0.99)
+        SlambRule(comm, lr=0.01, beta3=0.9 if me < P - 1 else 0.99)

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 import slamb_comm as sc
 from mpi_checks import DEVICE_TRANSPORTS, device_transport
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
 
@@ -91,7 +91,7 @@ def test_exchanges_equal_the_numpy_path(cp, kind, mask, vdt):
 def test_slamb_on_the_device_matches_the_dense_reference(cp, kind, mask):
     x = rank_arrays(cp, ME, 100)
     comm = sc.Communicator(device_transport(kind), x, ratio=0.1, mask=mask, seed=11)
-    opt = Slamb(comm, lr=0.02, weight_decay=0.01, beta3=0.9, sync_interval=4)
+    opt = SlambRule(comm, lr=0.02, weight_decay=0.01, beta3=0.9, sync_interval=4)
     ref = ReferenceSlamb([rank_arrays(np, r, 100) for r in range(P)], comm.layout.offsets, lr=0.02, wd=0.01,
                          beta3=0.9, H=4)
     worst = 0.0
@@ -117,7 +117,7 @@ def test_host_reads_per_slamb_step_with_nccl(cp, tensors):
     shapes = [(64, 160)] * tensors
     x = rank_arrays(cp, ME, 5, shapes=shapes)
     comm = sc.Communicator(device_transport("nccl"), x, ratio=0.1, seed=3, value_dtype="float16")
-    opt = Slamb(comm, lr=0.01, sync_interval=2)
+    opt = SlambRule(comm, lr=0.01, sync_interval=2)
     counts = []
     for t in range(1, 5):
         g = rank_arrays(cp, ME, 40 + t, shapes=shapes)
@@ -136,7 +136,7 @@ def test_host_reads_per_slamb_step_with_mpi(cp, kind):
     shapes = [(64, 160)] * 10
     x = rank_arrays(cp, ME, 5, shapes=shapes)
     comm = sc.Communicator(device_transport(kind), x, ratio=0.1, seed=3)
-    opt = Slamb(comm, lr=0.01, sync_interval=2)
+    opt = SlambRule(comm, lr=0.01, sync_interval=2)
     counts = []
     for t in range(1, 3):
         g = rank_arrays(cp, ME, 40 + t, shapes=shapes)

@@ -1,7 +1,7 @@
 """Checkpoints of every rank's state in one directory, written atomically.
 
 :func:`save` is collective: each rank writes its own state (any picklable object: the
-dicts of :meth:`Slamb.state_dict`, :meth:`Communicator.state_dict`, a torch
+dicts of :meth:`SlambRule.state_dict`, :meth:`Communicator.state_dict`, a torch
 ``state_dict``...) into a fresh temporary directory next to the target; rank 0 then
 writes a manifest with the world size and a SHA-256 of every rank's file, and renames
 the temporary directory into place. A save killed halfway leaves only a temporary
@@ -99,28 +99,28 @@ def save(directory, state, transport, meta=None):
     transport.allgather(np.frombuffer(digest, dtype=np.uint8).copy(), everyone)
     if transport.rank == 0:
         try:
-            manifest = {
-                "format": _FORMAT,
-                "world_size": transport.size,
-                "files": {
-                    _rank_file(r): bytes(everyone[32 * r : 32 * (r + 1)]).hex() for r in range(transport.size)
-                },
-                "meta": meta or {},
-            }
-            with open(os.path.join(tmp, _MANIFEST), "w") as fh:
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            old = None
-            if os.path.exists(directory):
-                old = f"{directory}.old-{int(token[0]):x}"
-                os.rename(directory, old)
-            os.rename(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            files = {_rank_file(r): bytes(everyone[32 * r : 32 * (r + 1)]).hex() for r in range(transport.size)}
+            _complete(directory, tmp, f"{int(token[0]):x}", files, transport.size, meta)
         except Exception as e:  # noqa: BLE001
             error = e
     _agree(transport, error is None, f"rank 0 could not complete the checkpoint: {error!r}")
+
+
+def _complete(directory, tmp, tag, files, world_size, meta):
+    """Rank 0: write the manifest (``files``: name -> sha256) into ``tmp`` and put ``tmp`` in
+    place of ``directory`` (the old checkpoint, if any, is removed only after)."""
+    manifest = {"format": _FORMAT, "world_size": world_size, "files": files, "meta": meta or {}}
+    with open(os.path.join(tmp, _MANIFEST), "w") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    old = None
+    if os.path.exists(directory):
+        old = f"{directory}.old-{tag}"
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _read(directory, manifest, rank):

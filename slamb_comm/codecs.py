@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from . import arrays as _arr
+from . import topk_device as _tk
 from .arrays import value_dtype
 from .errors import ConfigError, DTypeError
 
@@ -326,11 +327,13 @@ class TopKWire:
     ``r * nbytes`` of the gathered buffer is aligned for its int32 and float views (a
     GPU faults on a misaligned typed read).
 
-    The whole layout is encoded and decoded at once (:meth:`select`, :meth:`decode_all`): on a
-    device a constant number of whole-buffer operations whatever the number of tensors, with
-    the per-tensor constants in one small table built once per device (:meth:`table`); on the
-    CPU, where there are no kernel launches to save, tensor by tensor (:func:`topk_indices`'
-    linear-time selection, no temporary of the whole buffer's size).
+    The whole layout is encoded and decoded at once (:meth:`select`, :meth:`encode`,
+    :meth:`decode_all`): on a device a constant number of launches whatever the number of
+    tensors -- the selection is the radix select of :mod:`slamb_comm.topk_kernels` (its tables
+    built once per device: :meth:`device`), the decode whole-buffer operations with the
+    per-tensor constants of :meth:`table`; on the CPU, where there are no kernel launches to
+    save, tensor by tensor (:func:`topk_indices`' linear-time selection, no temporary of the
+    whole buffer's size).
     """
 
     HEADER = 8
@@ -348,6 +351,7 @@ class TopKWire:
         self.val_at = self.HEADER + ((4 * self.k_total + 7) // 8) * 8
         self.nbytes = ((self.val_at + self.value_dtype.itemsize * self.k_total + 7) // 8) * 8
         self._tables = {}
+        self._plans = {}  # (library, device) -> its topk_device.Plan
 
     def empty(self, xp, ranks=1):
         return xp.zeros(self.nbytes * ranks, dtype=np.uint8)
@@ -399,19 +403,24 @@ class TopKWire:
         return seg, t[2][seg]
 
     # ------------------------------------------------------------------ selection
-    def select(self, c, entries=None):
+    def device(self, xp):
+        """The :class:`~slamb_comm.topk_device.Plan` of this wire on the current device of
+        ``xp`` (its tables copied there at its first use, then kept)."""
+        key = (xp.__name__, xp.cuda.Device().id)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _tk.Plan(self, xp)
+        return plan
+
+    def select(self, c):
         """Every tensor's top-k of the fused 1-D buffer ``c`` (finite): ``(pos, local)``, the
         fused positions (int64, increasing) and the same as indices within their tensors (what
         the wire carries), in payload order. Exactly :func:`topk_indices_reference` per tensor
-        (ties go to the lower index).
+        (ties go to the lower index; infinities rank above every finite value).
 
         On the CPU, per tensor with :func:`topk_indices`. On a device, for all tensors at once:
-        one stable argsort of ``-|c|`` (decreasing magnitude, ties by position), one stable
-        argsort of the tensor each of those positions belongs to, which groups the order by
-        tensor and keeps, within a tensor, the order by magnitude; tensor i's first K_i
-        entries of that order are its top-k. A constant number of operations (two sorts of the
-        whole buffer) whatever the number of tensors, no host read. ``entries``: :meth:`entries`,
-        if the caller has them.
+        the radix select of :mod:`slamb_comm.topk_kernels` (float32: 4 kernels reading ``c``
+        once each, no sort, no host read) and one cast of the indices.
         """
         xp = _arr.namespace(c)
         K = self.k_total
@@ -427,24 +436,7 @@ class TopKWire:
             return pos, local
         if K == 0:
             return xp.zeros(0, np.int64), xp.zeros(0, np.int64)
-        t = self.table(xp)
-        seg, offset = self.entries(xp) if entries is None else entries
-        if K == c.size:  # every element of every tensor is sent
-            pos = xp.arange(K, dtype=np.int64)
-        else:
-            key = xp.abs(c)
-            xp.negative(key, out=key)
-            by_mag = xp.argsort(key, kind="stable")  # decreasing |c|, ties: the lower position first
-            del key
-            tensor = xp.searchsorted(t[0], by_mag, side="right").astype(np.int32)  # the tensor of each
-            grouped = xp.argsort(tensor, kind="stable")  # by tensor; within one, still by magnitude
-            del tensor
-            # tensor i's entries of the grouped order start at its offset: its first K_i are
-            # positions offset_i .. offset_i + K_i - 1 = (entry j) + offset_i - start_i
-            pick = t[3][seg]
-            pick += xp.arange(K, dtype=np.int64)
-            pos = xp.sort(by_mag[grouped[pick]])
-        return pos, pos - offset
+        return self.device(xp).select(c)
 
     def encode_one(self, i, x, idx, val):
         """Write tensor ``i``'s top-k of the 1-D array ``x`` into the payload's ``idx``/``val``
@@ -458,29 +450,32 @@ class TopKWire:
 
     def encode(self, x, out):
         """Encode every tensor of ``x`` (a fused buffer, or a list of arrays shaped like the
-        layout) into the payload ``out``; return the fused positions sent (int64)."""
+        layout) into the payload ``out``; return the fused positions sent (int64). On a device the
+        kernels of :meth:`select` write the payload (a list is read where it is, not fused)."""
         _, idx, val = self.parts(out)
         xp = _arr.namespace(out)
         if isinstance(x, (list, tuple)) or not (hasattr(x, "shape") or hasattr(x, "__dlpack__")):
             views = per_tensor(self.layout, x)
-            views = [views[i] for i in range(len(self.layout))]
-            c = xp.concatenate(views) if views else xp.zeros(0, self.layout.dtype)
+            c = [views[i] for i in range(len(self.layout))]
         else:
             c = _arr.as_array(x).reshape(-1)
+        if xp is not np:
+            pos = xp.empty(self.k_total, np.int64)
+            if self.k_total:
+                self.device(xp).encode(c, None, idx, val, None, False, pos)
+            return pos
+        if isinstance(c, list):
+            c = np.concatenate(c) if c else np.zeros(0, self.layout.dtype)
         pos, local = self.select(c)
         self.write(c, pos, local, idx, val)
         return pos
 
     def write(self, c, pos, local, idx, val):
-        """The payload's indices and values from :meth:`select`'s ``(pos, local)`` of ``c``."""
+        """The payload's indices and values from :meth:`select`'s ``(pos, local)`` of ``c`` (NumPy)."""
         if not self.k_total:
             return
         idx[...] = local
-        xp = _arr.namespace(c)
-        if val.dtype == c.dtype:
-            xp.take(c, pos, out=val)
-        else:
-            val[...] = c[pos]
+        val[...] = c[pos]
 
     # ------------------------------------------------------------------ decoding
     def decode_all(self, recv, out, offsets=None):

@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from . import arrays as _arr
-from . import device as _dev
 from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
 from .masks import BLOCK, check_block, make_mask
 from .onebit import OneBitExchange
@@ -42,11 +41,15 @@ from .errors import (
     LayoutMismatchError,
     NonContiguousError,
     NonFiniteError,
+    STATUS_BAD_INPUT,
+    STATUS_NON_FINITE,
+    STATUS_OK,
     PeerError,
     SlambCommError,
 )
 from .stats import Stats, Traffic, allreduce_wire
-from .topk_exchange import _BAD_INPUT, _NON_FINITE, _OK, TopKExchange
+from .sync import ParameterSync
+from .topk_exchange import TopKExchange
 from .transports import LocalTransport
 
 __all__ = ["Communicator"]
@@ -73,7 +76,7 @@ def _take(xp, sel, views, out):
     return out
 
 
-class Communicator(TopKExchange):
+class Communicator(ParameterSync, TopKExchange):
     """Sparse and dense exchanges of one fixed set of arrays among all ranks of a transport.
 
     Args:
@@ -182,14 +185,14 @@ class Communicator(TopKExchange):
         """Collective check at construction: same layout and options everywhere, no local error."""
         t = self.transport
         mine = np.zeros(4, dtype=np.int64)
-        mine[0] = _OK if problem is None else _BAD_INPUT
+        mine[0] = STATUS_OK if problem is None else STATUS_BAD_INPUT
         mine[1:3] = np.frombuffer(digest, dtype=np.int64)
         if problem is None:
             mine[3] = self.layout.total
         everyone = np.zeros(4 * t.size, dtype=np.int64)
         t.allgather(mine, everyone)
         everyone = everyone.reshape(t.size, 4)
-        failed = [r for r in range(t.size) if everyone[r, 0] != _OK]
+        failed = [r for r in range(t.size) if everyone[r, 0] != STATUS_OK]
         if problem is not None:
             raise problem
         if failed:
@@ -320,10 +323,10 @@ class Communicator(TopKExchange):
         """Raise the right error on this rank, given every rank's status code."""
         if problem is not None:
             raise problem
-        bad = [r for r, c in enumerate(codes) if c == _BAD_INPUT]
+        bad = [r for r, c in enumerate(codes) if c == STATUS_BAD_INPUT]
         if bad:
             raise PeerError(f"{what}: rank(s) {bad} rejected their input (see their error); nothing was changed", bad)
-        nonfinite = [r for r, c in enumerate(codes) if c == _NON_FINITE]
+        nonfinite = [r for r, c in enumerate(codes) if c == STATUS_NON_FINITE]
         where = f" in tensor(s) {list(tensors)}" if tensors else ""
         if nonfinite:
             msg = f"{what}: non-finite values (NaN/Inf) from rank(s) {nonfinite}{where}; nothing was changed"
@@ -381,11 +384,11 @@ class Communicator(TopKExchange):
             return word
         # The failure path (host reads are fine here): who flagged, and where the sums are bad.
         if problem is not None:
-            code = _BAD_INPUT
+            code = STATUS_BAD_INPUT
         elif bool(local_bad) or (sent is not None and not bool(xp.isfinite(sent()).all())):
-            code = _NON_FINITE
+            code = STATUS_NON_FINITE
         else:
-            code = _OK
+            code = STATUS_OK
         codes = self._codes(code)
         tensors = ()
         if mine is not None:
@@ -425,6 +428,21 @@ class Communicator(TopKExchange):
         x, sel = self._masked_allreduce(x, step)
         return x, sel.index
 
+    def masked_traffic(self, payload_bytes, elements_sent, encode_s=0.0, comm_s=0.0, decode_s=0.0):
+        """The :class:`~slamb_comm.stats.Traffic` of one masked allreduce of ``payload_bytes`` (its
+        status words included) carrying ``elements_sent`` values, against a dense allreduce of the
+        layout (docs/algorithm.md section 4): every masked exchange's record, whoever runs it (this
+        communicator, SLAMB's steps, an adapter's own collectives)."""
+        return Traffic.one_call(
+            payload_bytes=payload_bytes, wire_bytes=allreduce_wire(payload_bytes, self.size),
+            dense_bytes=self.layout.total * self.layout.dtype.itemsize, size=self.size, elements_sent=elements_sent,
+            elements_total=self.layout.total, encode_s=encode_s, comm_s=comm_s, decode_s=decode_s)
+
+    def record_masked_allreduce(self, payload_bytes, elements_sent, encode_s=0.0, comm_s=0.0, decode_s=0.0):
+        """Count one masked allreduce in :attr:`stats` (see :meth:`masked_traffic`)."""
+        self.stats.record("masked_allreduce", self.masked_traffic(payload_bytes, elements_sent, encode_s, comm_s,
+                                                                  decode_s))
+
     def _masked_allreduce(self, x, step):
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ConfigError(f"step must be an integer >= 1, got {step!r}")
@@ -440,10 +458,8 @@ class Communicator(TopKExchange):
                 _take(xp, sel, views, buf[:m])
             t1 = time.perf_counter()
             payload = (m + 1) * self.value_dtype.itemsize
-            dense = self.layout.total * self.layout.dtype.itemsize
-            traffic = (lambda *times: Traffic(1, payload, allreduce_wire(payload, self.size), dense,
-                                              allreduce_wire(dense, self.size), m, self.layout.total, *times))
-            with self.stats.failed("masked_allreduce", lambda: traffic(t1 - t0, time.perf_counter() - t1, 0.0)):
+            with self.stats.failed("masked_allreduce", lambda: self.masked_traffic(
+                    payload, m, t1 - t0, time.perf_counter() - t1)):
                 self.reduce_checked(buf, problem, False, f"masked_allreduce at step {step}",
                                     (sel.starts, sel.counts),
                                     sent=lambda: _take(xp, sel, views, xp.empty(m, self.value_dtype)))
@@ -456,147 +472,8 @@ class Communicator(TopKExchange):
                     if self.size > 1:
                         vals *= vals.dtype.type(1.0 / self.size)
                     p.put(views[i], None, vals)
-        t3 = time.perf_counter()
-        self.stats.record("masked_allreduce", traffic(t1 - t0, t2 - t1, t3 - t2))
+        self.record_masked_allreduce(payload, m, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return x, sel
-
-    def sync(self, x, written=None, bad=None):
-        """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
-
-        Used for SLAMB's periodic parameter sync and as the dense baseline. The status word goes
-        first, alone, and is checked with one host read before anything is written: a rank with
-        bad input or non-finite ``x`` makes every rank raise, with nothing changed. It also counts
-        the ranks that took part: where some contributed zeros instead (ranks that called
-        Horovod's ``join()``), the mean is over the others, so the parameters are not shrunk towards
-        zero. Then each rank sends ``x / P`` (so no sum can overflow; exact for P a power of two), in
-        allreduces of at most ``bucket_bytes``: a fused buffer in place (no copy of it is made), a
-        list of arrays through a buffer of that size (on a device two copy kernels per allreduce,
-        whatever the number of tensors; on the CPU, or for a lazily read sequence, tensor by tensor).
-
-        ``written(i)``, if given, is called once tensor i has been written (for lazily converted
-        inputs; see :meth:`_take`). ``bad``: the caller's word that ``x`` is not finite on this
-        rank (a bool, or a 0-d device array whose nonzero value says so, as a kernel's flag word),
-        which saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
-        """
-        t0 = time.perf_counter()
-        xp, views, problem = self._take_or_problem(x)
-        lay = self.layout
-        with _arr.device_scope(views[0] if views else np.zeros(0)):
-            if bad is None:
-                bad = False if views is None else self._not_finite(xp, views)
-            c0 = time.perf_counter()
-            fix = self._sync_status(xp.zeros(1, lay.dtype), problem, bad, views, xp)
-            comm_s = time.perf_counter() - c0
-            flat = self._fused_input(x, views)
-            if flat is not None:
-                comm_s += self._sync_in_place(flat, fix)
-            else:
-                comm_s += self._sync_list(xp, views, fix, written)
-            if written is not None and (flat is not None or not isinstance(views, LazyTensors)):
-                for i in range(len(lay)):
-                    written(i)
-        n, dt, P = lay.total, lay.dtype, self.size
-        payload, dense = (n + 1) * dt.itemsize, n * dt.itemsize
-        self.stats.record("sync", Traffic(1, payload, allreduce_wire(payload, P), dense, allreduce_wire(dense, P),
-                                          n, n, 0.0, comm_s, time.perf_counter() - t0 - comm_s))
-        return x
-
-    def _not_finite(self, xp, views):
-        """Whether some tensor of this rank's ``views`` is not finite (a bool, or a 0-d device array)."""
-        bad = False
-        for i in range(len(self.layout)):
-            v = views[i]
-            if v.size:
-                fin = xp.isfinite(v.max()) & xp.isfinite(v.min())
-                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
-        return bad
-
-    def _sync_status(self, buf, problem, bad, views, xp):
-        """The sync's status word ``buf`` (one element), summed and checked with one host read;
-        returns ``P / ranks that took part`` where that is not 1 (in the dtype), else None."""
-        P, dt, lay = self.size, self.layout.dtype, self.layout
-        c0 = time.perf_counter()
-        dense = lay.total * dt.itemsize
-        with self.stats.failed("sync", lambda: Traffic(
-                1, dt.itemsize, allreduce_wire(dt.itemsize, P), dense, allreduce_wire(dense, P), 0, lay.total, 0.0,
-                time.perf_counter() - c0, 0.0)):
-            word = self.reduce_checked(buf, problem, bad, "sync", whole=False, present=dt.type(1.0 / P),
-                                       mine=lambda: [not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
-        took_part = round(word * P)
-        return dt.type(P / took_part) if 0 < took_part < P else None
-
-    def _cap(self):
-        return max(1, min(self.layout.total, self.bucket_bytes // self.layout.dtype.itemsize))
-
-    def _sync_in_place(self, flat, fix):
-        """A fused buffer: ``flat /= P`` and its allreduce in place, in slices of at most
-        ``bucket_bytes``. Returns the seconds spent in the collectives."""
-        P, dt, cap = self.size, self.layout.dtype, self._cap()
-        if P > 1:
-            flat *= dt.type(1.0 / P)
-        c0 = time.perf_counter()
-        for lo in range(0, flat.size, cap):
-            self.transport.allreduce(flat[lo : lo + cap])
-        comm_s = time.perf_counter() - c0
-        if fix is not None:
-            flat *= fix
-        return comm_s
-
-    def _sync_list(self, xp, views, fix, written):
-        """A list of arrays through a buffer of at most ``bucket_bytes``. Returns the seconds spent in
-        the collectives."""
-        lay, P, dt, cap = self.layout, self.size, self.layout.dtype, self._cap()
-        buf = xp.empty(cap, dtype=dt)
-        scale = dt.type(1.0 / P) if P > 1 else None
-        device = xp is not np and not isinstance(views, LazyTensors)
-        if device:
-            tiles, tables = self._device_tables(xp)
-            table = tables.table(xp, "sync", views)
-        comm_s = 0.0
-        for lo in range(0, lay.total, cap):
-            hi = min(lay.total, lo + cap)
-            b = buf[: hi - lo]
-            if device:
-                _dev.copy_range(xp, tiles, table, lo, hi, b, 1.0 if scale is None else scale, False)
-            else:
-                self._copy_pieces(views, lo, hi, b, into_tensors=False)
-                if scale is not None:
-                    b *= scale
-            c0 = time.perf_counter()
-            self.transport.allreduce(b)
-            comm_s += time.perf_counter() - c0
-            if device:
-                _dev.copy_range(xp, tiles, table, lo, hi, b, 1.0 if fix is None else fix, True)
-            else:
-                if fix is not None:
-                    b *= fix
-                self._copy_pieces(views, lo, hi, b, into_tensors=True,
-                                  written=written if isinstance(views, LazyTensors) else None)
-        return comm_s
-
-    def _copy_pieces(self, views, lo, hi, buf, into_tensors, written=None):
-        """Fused elements ``[lo, hi)`` between the tensors ``views`` and ``buf``, tensor by tensor (a
-        lazy sequence converts a tensor when it is first reached); ``written(i)`` once tensor i is
-        complete."""
-        lay = self.layout
-        for i in range(len(lay)):
-            o, n = lay.offsets[i], lay.sizes[i]
-            a, b = max(o, lo), min(o + n, hi)
-            if a >= b:
-                continue
-            if into_tensors:
-                views[i][a - o : b - o] = buf[a - lo : b - lo]
-                if written is not None and b == o + n:
-                    written(i)
-            else:
-                buf[a - lo : b - lo] = views[i][a - o : b - o]
-
-    def _device_tables(self, xp):
-        """The layout's tiles and tables of addresses on the current device (built once)."""
-        key = (xp.__name__, xp.cuda.Device().id)
-        if self._device.get("key") != key:
-            self._device = {"key": key, "tiles": _dev.Tiles(self.layout, xp), "tables": _dev.AddressTables(self.layout)}
-        return self._device["tiles"], self._device["tables"]
 
     def onebit_allreduce(self, x):
         """In place: ``x`` (fused buffer or list of arrays) becomes the error-compensated 1-bit

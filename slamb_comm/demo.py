@@ -29,15 +29,15 @@ import numpy as np
 
 from . import arrays as _arr
 from .codecs import Layout
-from .errors import ConfigError, DTypeError, LayoutError, LayoutMismatchError, NonFiniteError, PeerError
-from .stats import Stats, Traffic, allgather_wire, allreduce_wire
+from .errors import (STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, LayoutError,
+                     LayoutMismatchError, NonFiniteError, PeerError)
+from .stats import Stats, Traffic, allgather_wire
 from .transports import LocalTransport
 
 __all__ = ["DCTChunks", "DeMo", "dct_matrix"]
 
 log = logging.getLogger("slamb_comm")
 
-_OK, _BAD_INPUT, _NON_FINITE = 0, 1, 2  # the status word, as in every exchange of the library
 
 
 def dct_matrix(s, dtype=np.float64):
@@ -242,7 +242,7 @@ class DeMo:
         """Every rank: no local error, and the same layout and options (one small all-gather)."""
         t = self.transport
         mine = np.zeros(3, np.int64)
-        mine[0] = _OK if problem is None else _BAD_INPUT
+        mine[0] = STATUS_OK if problem is None else STATUS_BAD_INPUT
         if problem is None:
             mine[1:] = np.frombuffer(hashlib.sha256(repr(self._options()).encode()).digest()[:16], np.int64)
         everyone = np.zeros(3 * t.size, np.int64)
@@ -250,7 +250,7 @@ class DeMo:
         everyone = everyone.reshape(t.size, 3)
         if problem is not None:
             raise problem
-        bad = [r for r in range(t.size) if everyone[r, 0] != _OK]
+        bad = [r for r in range(t.size) if everyone[r, 0] != STATUS_OK]
         if bad:
             raise PeerError(f"DeMo: rank(s) {bad} rejected their arguments (see their error)", bad)
         differ = [r for r in range(t.size) if not np.array_equal(everyone[r, 1:], everyone[0, 1:])]
@@ -303,7 +303,7 @@ class DeMo:
         with _arr.device_scope(gflat if problem is None else np.zeros(0)):
             send = xp.zeros(codec.nbytes, np.uint8)
             status, idx, val = codec.parts(send)
-            status[...] = _BAD_INPUT
+            status[...] = STATUS_BAD_INPUT
             if problem is None:
                 mn = self._momentum(xp) * lay.dtype.type(self.beta)  # a new m: the old one stays until commit
                 mn[:-1] += gflat
@@ -312,14 +312,15 @@ class DeMo:
                 codec.select(codec.transform(chunks), idx, val)
                 if val.dtype.itemsize < lay.dtype.itemsize:  # e.g. beyond +-65504 in float16
                     ok &= xp.isfinite(val).all()
-                status[...] = xp.where(ok, _OK, _NON_FINITE)
+                status[...] = xp.where(ok, STATUS_OK, STATUS_NON_FINITE)
             t1 = time.perf_counter()
             recv = xp.empty(P * codec.nbytes, np.uint8)
             self.transport.allgather(send, recv)
             t2 = time.perf_counter()
             dense = lay.total * lay.dtype.itemsize
-            traffic = (lambda *ts: Traffic(1, codec.nbytes, allgather_wire(codec.nbytes, P), dense,
-                                           allreduce_wire(dense, P), codec.K, lay.total, *ts))
+            traffic = (lambda enc, comm, dec: Traffic.one_call(
+                payload_bytes=codec.nbytes, wire_bytes=allgather_wire(codec.nbytes, P), dense_bytes=dense, size=P,
+                elements_sent=codec.K, elements_total=lay.total, encode_s=enc, comm_s=comm, decode_s=dec))
             recv = recv.reshape(P, codec.nbytes)
             codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()  # the one host read
             if any(codes):
@@ -343,10 +344,10 @@ class DeMo:
     def _fail(self, codes, problem):
         """A step every rank gives up: this rank's own error, PeerError, or a non-finite step
         (raised, or skipped: counted and logged)."""
-        bad = [r for r, c in enumerate(codes) if c == _BAD_INPUT]
+        bad = [r for r, c in enumerate(codes) if c == STATUS_BAD_INPUT]
         if problem is not None or bad:
             raise problem or PeerError(f"DeMo: rank(s) {bad} rejected their input (see their error); nothing changed", bad)
-        nonfinite = [r for r, c in enumerate(codes) if c == _NON_FINITE]
+        nonfinite = [r for r, c in enumerate(codes) if c == STATUS_NON_FINITE]
         e = NonFiniteError(f"DeMo: non-finite momentum or payload (NaN/Inf) on rank(s) {nonfinite}; nothing changed",
                            nonfinite)
         if self.on_nonfinite == "raise":

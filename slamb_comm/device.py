@@ -21,7 +21,8 @@ from . import arrays as _arr
 from . import kernels as _k
 from .errors import LayoutError
 
-__all__ = ["Addresses", "AddressTables", "Tiles", "copy_range", "GRID", "KEEP"]
+__all__ = ["Addresses", "AddressTables", "Tiles", "Tensors", "copy_range", "dummy", "tensors", "table_bytes", "tiled",
+           "GRID", "KEEP"]
 
 #: blocks per launch at most: the kernels loop over their tiles
 GRID = 8192
@@ -147,3 +148,44 @@ def copy_range(xp, tiles, table, lo, hi, buf, scale, into_tensors):
         *tiles.table, np.int64(t0), np.int64(t1), table, tiles.toff, buf, np.int64(lo), np.int64(hi),
         np.float64(scale), np.int32(1 if into_tensors else 0)),
         reads=[("buffer" if into_tensors else "tensors", nbytes), ("tables", (t1 - t0) * 20)], writes=moved)
+
+
+_DUMMIES = {}  # (library, device, dtype) -> a one-element array for an argument a launch does not read
+
+
+def dummy(xp, dtype, a=None):
+    """``a``, or where it is None a one-element array standing for an argument the launch does not read."""
+    if a is not None:
+        return a
+    key = (id(xp), xp.cuda.Device().id, np.dtype(dtype).name)
+    d = _DUMMIES.get(key)
+    if d is None:
+        d = _DUMMIES[key] = xp.empty(1, dtype)
+    return d
+
+
+class Tensors(NamedTuple):
+    """A layout's tensors as the kernels take them: a fused buffer (``flat``, ``fused`` 1) or a table of device
+    addresses, one per tensor (``tab``, ``fused`` 0); the other is a dummy."""
+
+    tab: object
+    flat: object
+    fused: np.int32
+
+
+def tensors(xp, tables, role, a, dtype):
+    """``a``, a fused buffer (no table: a new buffer every step costs no copy) or a list of arrays (their table of
+    addresses from ``tables``, a :class:`~slamb_comm.device.AddressTables`: copied when the addresses are new)."""
+    if isinstance(a, (list, tuple)):
+        return Tensors(tables.table(xp, role, a), dummy(xp, dtype), np.int32(0))
+    return Tensors(dummy(xp, np.uint64), a, np.int32(1))
+
+
+def table_bytes(t, ntensors):
+    """The declared bytes of the tables a pass reads: the offsets, and the addresses of a list."""
+    return ("tables", 8 * ntensors * (1 if t is None or t.fused else 2))
+
+
+def tiled(tiles):
+    """The four arguments every tiled kernel takes first: tile -> tensor, start, end, and the count."""
+    return (*tiles.table, np.int64(tiles.count))

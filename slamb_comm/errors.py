@@ -16,7 +16,14 @@ __all__ = [
     "NonContiguousError",
     "NonFiniteError",
     "PeerError",
+    "STATUS_OK",
+    "STATUS_BAD_INPUT",
+    "STATUS_NON_FINITE",
 ]
+
+#: The status word every exchange's payload carries, summed or gathered with it: how each rank
+#: learns, in the same collective, that some rank's input was bad or not finite.
+STATUS_OK, STATUS_BAD_INPUT, STATUS_NON_FINITE = 0, 1, 2
 
 
 class SlambCommError(Exception):

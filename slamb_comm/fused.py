@@ -1,6 +1,6 @@
-"""SLAMB's step on a device: four kernels whatever the number of tensors (the GPU path of :meth:`Slamb.step`).
+"""SLAMB's step on a device: four kernels whatever the number of tensors (the GPU path of :meth:`SlambRule.step`).
 
-:class:`~slamb_comm.slamb.Slamb` does its CPU step tensor by tensor, in cache-sized blocks. On a
+:class:`~slamb_comm.slamb.SlambRule` does its CPU step tensor by tensor, in cache-sized blocks. On a
 device a step is bound by memory traffic and launches, so :class:`DeviceStep` runs the same step
 (docs/algorithm.md section 1: the same positions, the same payload bits) as the kernels of
 :mod:`slamb_comm.kernels` over a table of tiles:
@@ -41,7 +41,6 @@ from . import arrays as _arr
 from . import device as _dev
 from . import kernels as _k
 from .errors import LayoutError, NonFiniteError
-from .stats import Traffic, allreduce_wire
 
 __all__ = ["DeviceStep", "Plan", "applies", "MAX_LEVELS"]
 
@@ -148,7 +147,7 @@ class _Levels(NamedTuple):
 
 
 class DeviceStep:
-    """The device state and kernels of one :class:`~slamb_comm.slamb.Slamb`'s fused step: the
+    """The device state and kernels of one :class:`~slamb_comm.slamb.SlambRule`'s fused step: the
     plans, the tables of addresses, the payload, the partial sums and the rates. Its owner calls
     :meth:`step`; adapters that overlap the exchange with the backward pass call :meth:`pack` per
     group of tensors, run their own collectives on :meth:`payload`, then :meth:`finish`."""
@@ -284,13 +283,9 @@ class DeviceStep:
 
     def record(self, plan, t):
         """Count step t's exchange of the payload in the communicator's statistics."""
-        lay, comm = self.slamb.layout, self.slamb.comm
+        comm = self.slamb.comm
         j = _chunk(plan, t)
-        nbytes = int(plan.size[j]) * comm.value_dtype.itemsize
-        dense = lay.total * lay.dtype.itemsize
-        comm.stats.record("masked_allreduce", Traffic(
-            1, nbytes, allreduce_wire(nbytes, comm.size), dense, allreduce_wire(dense, comm.size), plan.k_of(j),
-            lay.total))
+        comm.record_masked_allreduce(int(plan.size[j]) * comm.value_dtype.itemsize, plan.k_of(j))
 
     def apply(self, plan, t, x, g, scale, lr=None, weight_decay=None):
         """Kernels 2 to 4 of step t: commit the moments with the exchanged payload (summed over the

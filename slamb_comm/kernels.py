@@ -80,6 +80,16 @@ SLAMB_DEV float slamb_sqrt(float x) { return sqrtf(x); }
 SLAMB_DEV double slamb_sqrt(double x) { return sqrt(x); }
 #define SLAMB_NAN ((double)NAN)
 #endif
+
+/* a trust ratio: clamp(||x|| / ||u||, c_min, c_max), 1 where either norm is 0 (SLAMB and 1-bit LAMB;
+   slamb_comm.tensorwise.trust_ratio on the host) */
+SLAMB_DEV double slamb_trust_ratio(double xn, double un, double c_min, double c_max) {
+  if (xn > 0.0 && un > 0.0) {
+    const double r = xn / un;
+    return r < c_min ? c_min : (r > c_max ? c_max : r);
+  }
+  return 1.0;
+}
 """
 
 _KERNELS = r"""
@@ -276,13 +286,6 @@ SLAMB_DEV void slamb_moments_impl(
 }
 
 /* ---- kernel 3: per tensor, the norms from its tiles' partials, the trust ratios, the rates ---- */
-SLAMB_DEV double slamb_trust_ratio(double xn, double un, double c_min, double c_max) {
-  if (xn > 0.0 && un > 0.0) {
-    const double r = xn / un;
-    return r < c_min ? c_min : (r > c_max ? c_max : r);
-  }
-  return 1.0;
-}
 
 SLAMB_KERNEL slamb_trust(
     const double* __restrict__ partials, const i64* __restrict__ tt0, const i64* __restrict__ ntt, i64 ntensors,

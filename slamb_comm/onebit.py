@@ -14,17 +14,20 @@ one scale per rank and per chunk, in two phases, as DeepSpeed's ``compressed_all
 It is built on a :class:`~slamb_comm.Communicator` (its transport, layout, value dtype and
 statistics) and needs a transport with ``alltoall``. :meth:`OneBitExchange.of` gives the one
 exchange of a communicator (made at first use and kept on it), so a communicator method is one
-line, and shares its error buffers with :class:`~slamb_comm.onebit_lamb.OneBitLamb`::
+line, and shares its error buffers with :class:`~slamb_comm.onebit_lamb.OneBitLambRule`::
 
     def onebit_allreduce(self, x):
         return OneBitExchange.of(self).allreduce(x)
 
 Costs: 1/32 of a dense fp32 allreduce's bytes on the links (plus 16 bytes of header per block);
-the worker error (N' elements) and the server error (N'/P) in ``promote(dtype, float32)``;
-scratch of one compensated copy of the buffer per call; one host read per call on a GPU, and a
-constant number of device operations (whole-buffer operations, a few per rank) plus, where ``x``
-is a list of arrays rather than one fused buffer, one copy per tensor back into the caller's arrays
-(the copy in is one ``concatenate``).
+the worker error (N' elements) and the server error (N'/P) in ``promote(dtype, float32)``. On
+the CPU, whole-buffer NumPy operations and scratch of one compensated copy of the buffer per
+call. On a device (:class:`DeviceWire`, the kernels of :mod:`slamb_comm.onebit_kernels`): four
+launches besides the two collectives, whatever the number of tensors and whether ``x`` is one
+fused buffer or a list of arrays (read and written where they are), about 33 bytes of device
+traffic per float32 element at two ranks, one host read, and no copy to the device once a
+list's table of addresses is made; kept scratch of c (N'), u (N'/P) and the blocks of the two
+collectives, nothing allocated per call. The results are the CPU's, bit for bit.
 
 Failure behaviour, as for the communicator's other exchanges: every block carries a status
 word, and a rank with bad input or a non-finite compensated buffer or scale makes every rank
@@ -34,17 +37,20 @@ after the same two collectives; neither the buffer nor the error buffers change.
 
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from . import arrays as _arr
+from . import device as _dev
+from . import onebit_kernels as _ok
 from .codecs import LazyTensors
-from .errors import ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
-from .stats import Traffic, allgather_wire, allreduce_wire, alltoall_wire
+from .errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
+from .kernels import TILE
+from .stats import Traffic, allgather_wire, alltoall_wire
 
-__all__ = ["OneBitExchange", "pack_signs", "unpack_signs", "padded_size"]
+__all__ = ["OneBitExchange", "DeviceWire", "pack_signs", "unpack_signs", "padded_size"]
 
-_BAD_INPUT, _NON_FINITE = 1, 2  # the communicator's status codes (Communicator._fail reads them)
 _WEIGHTS = np.array([128, 64, 32, 16, 8, 4, 2, 1], np.uint8)  # most significant bit first, as np.packbits
 _SHIFTS = np.array([7, 6, 5, 4, 3, 2, 1, 0], np.uint8)
 
@@ -92,6 +98,33 @@ def _round8(n):
     return -(-n // 8) * 8
 
 
+def tree_depth(n):
+    """H, the depth of NumPy's pairwise tree over ``n`` elements (a multiple of 8) at which every node is
+    a leaf (the device's tree passes, :mod:`slamb_comm.onebit_kernels`, sum ``2^H`` slots)."""
+    if n % 8:
+        raise ValueError(f"the tree passes take a multiple of 8 elements, got {n}")
+    sizes, depth = {n}, 0
+    while max(sizes) > 128:
+        halves = {s: s // 2 - s // 2 % 8 for s in sizes if s > 128}
+        sizes = {p for s in sizes for p in ((halves[s], s - halves[s]) if s > 128 else (s,))}
+        depth += 1
+    return depth
+
+
+def _subtrees(depth):
+    """The blocks of a tree pass: one per subtree of 256 leaves (one for a smaller tree)."""
+    return 1 << max(0, depth - 8)
+
+
+class _Times(NamedTuple):
+    """Seconds of one exchange so far: encoding (worker and server), the collectives, and the
+    ``perf_counter`` at which the collectives ended (decoding is timed from there)."""
+
+    encode: float
+    comm: float
+    end: float
+
+
 class OneBitExchange:
     """The 1-bit compressed allreduce of ``comm.layout``'s fused buffer, with its error buffers.
 
@@ -132,6 +165,7 @@ class OneBitExchange:
         self.worker_error = None
         self.server_error = None
         self._on_host = False  # restored by load_state_dict, not yet moved to a device
+        self._wire = None  # ((library, device), its DeviceWire)
 
     @classmethod
     def of(cls, comm):
@@ -228,39 +262,38 @@ class OneBitExchange:
         self._on_host = True
 
     # ------------------------------------------------------------------ the exchange
-    def _header(self, xp, status, scale):
-        """The 16-byte block header: int32 ``status`` (an int, or a 0-d device array) and the
-        scale as ``value_dtype`` (a 0-d array)."""
-        h = xp.zeros(self.HEADER, np.uint8)
-        h[0:4].view(np.int32)[...] = status
-        h[8 : 8 + self.value_dtype.itemsize].view(self.value_dtype)[...] = scale
-        return h
-
-    def _scale(self, xp, a, n):
-        """``||a|| / sqrt(n)`` summed in float64, as ``value_dtype`` (0-d array), and whether it
-        is finite (bool on the host, 0-d array on a device). A NaN or Inf in ``a`` makes it NaN/Inf."""
-        sq = xp.sum(xp.square(a, dtype=np.float64))
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported as non-finite instead
-            s = (xp.sqrt(sq) / math.sqrt(n)).astype(self.value_dtype)
-        fin = xp.isfinite(s)
-        return s, (bool(fin) if xp is np else fin)
-
     def allreduce(self, x):
         """In place: ``x`` becomes the 1-bit compressed mean over ranks (docs/onebit_lamb.md
         section 1), the same on every rank; the error buffers are updated. Returns ``x``.
 
         ``x`` is the fused buffer (``layout.total`` elements) or a list of arrays shaped like the
         layout, of the layout's dtype. Two collectives (an all-to-all, an allgather) and, on a
-        GPU, one host read.
+        GPU, one host read and four launches whatever the number of tensors (the three of
+        :meth:`device_exchange`, then one that writes ``x`` and commits the errors).
 
         Raises (on every rank alike; nothing changes): PeerError where another rank rejected
         its input; LayoutError/DTypeError/NonContiguousError/TypeError on the rank whose input
         was bad; NonFiniteError where a rank's ``x + e`` or a scale is not finite.
         """
         t0 = time.perf_counter()
-        comm, lay = self.comm, self.layout
-        P, Np, nc, cb, B = self.size, self.padded, self.chunk, self.chunk_bytes, self.block
-        acc, vdt = self.acc_dtype, self.value_dtype
+        xp, views, flat, problem = self._input(x)
+        if views is not None and len(self.layout):
+            like = views[0]
+        else:
+            like = self.worker_error if self._state_xp() is not None else np.zeros(0)
+        with _arr.device_scope(like):
+            if xp is np:
+                times = self._host_allreduce(views, flat, problem, t0)
+            else:
+                times = self._device_allreduce(xp, views, flat, problem, t0)
+        self.record(times)
+        return x
+
+    def _input(self, x):
+        """``(xp, views, flat, problem)``: the caller's tensors (``flat``: ``x`` itself where it is
+        one fused buffer), or ``views`` None and the error this rank must raise after taking
+        part in the collectives with zeros."""
+        comm = self.comm
         xp, views, problem = comm._take_or_problem(x)
         if isinstance(views, LazyTensors):  # items converted on the fly: writing into them would be lost
             views, problem = None, TypeError("the 1-bit exchange writes its result in place: pass a fused buffer "
@@ -270,110 +303,271 @@ class OneBitExchange:
             views, problem = None, TypeError(f"the 1-bit exchange's state lives in {sxp.__name__}, got {xp.__name__}")
         if views is None:
             xp = sxp or np
-        like = views[0] if views is not None and len(lay) else (self.worker_error if sxp is not None else np.zeros(0))
-        with _arr.device_scope(like):
-            # ---- worker: compensate, scale, signs
-            c = xp.zeros(Np, acc)
-            ew, es = self._errors(xp) if views is not None else (None, None)
-            flat = None if views is None else comm._fused_input(x, views)
-            if views is not None:
-                self._gather(xp, flat, views, c[: lay.total])
-                if ew is not None:
-                    c += ew
-            s, ok = self._scale(xp, c, Np)
-            bits = c >= 0
-            if problem is not None:
-                status = _BAD_INPUT
-            elif xp is np:
-                status = 0 if ok else _NON_FINITE
-            else:
-                status = xp.where(ok, 0, _NON_FINITE).astype(np.int32)
-            send = xp.zeros((P, B), np.uint8)
-            send[:, : self.HEADER] = self._header(xp, status, s)
-            send[:, self.HEADER : self.HEADER + cb] = pack_signs(bits).reshape(P, cb)
-            t1 = time.perf_counter()
-            # ---- phase 1: chunk k of every rank's signs (and every rank's scale) to rank k
-            recv = xp.empty((P, B), np.uint8)
-            comm.transport.alltoall(send.reshape(-1), recv.reshape(-1))
-            t2 = time.perf_counter()
-            # ---- server: average the P decoded chunks, add the server error, compress again
-            scales = recv[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(P).astype(acc)
-            scales *= acc.type(1.0 / P)
-            signs = unpack_signs(recv[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(P, nc)
-            u = xp.zeros(nc, acc)
-            for j in range(P):
-                sj = signs[j].astype(acc)
-                sj *= 2
-                sj -= 1
-                sj *= scales[j]
-                u += sj
-            if es is not None:
-                u += es
-            sigma, ok2 = self._scale(xp, u, nc)
-            ubits = u >= 0
-            status2 = (0 if ok2 else _NON_FINITE) if xp is np else xp.where(ok2, 0, _NON_FINITE).astype(np.int32)
-            send2 = xp.zeros(B, np.uint8)
-            send2[: self.HEADER] = self._header(xp, status2, sigma)
-            send2[self.HEADER : self.HEADER + cb] = pack_signs(ubits)
-            t3 = time.perf_counter()
-            # ---- phase 2: every server's signs and scale to every rank
-            recv2 = xp.empty((P, B), np.uint8)
-            comm.transport.allgather(send2, recv2.reshape(-1))
-            t4 = time.perf_counter()
-            # ---- one host read: both phases' status words
-            words = xp.concatenate((recv[:, :4].copy().view(np.int32).reshape(-1),
-                                    recv2[:, :4].copy().view(np.int32).reshape(-1)))
-            codes = _arr.to_host(words).tolist()
-            codes1, codes2 = codes[:P], codes[P:]
-            with comm.stats.failed(self.KIND, lambda: self._traffic(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, 0.0)):
-                if any(codes1) or problem is not None:
-                    comm._fail(codes1, problem, "onebit_allreduce")
-                if any(codes2):
-                    bad = [r for r, v in enumerate(codes2) if v]
-                    raise NonFiniteError(f"onebit_allreduce: the server scale of chunk(s) {bad} is not finite (beyond "
-                                         f"the range of {vdt.name}); nothing was changed", bad)
-            # ---- decode, write x, commit the error buffers
-            sig = recv2[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(P, 1).astype(acc)
-            y = unpack_signs(recv2[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(P, nc).astype(acc)
-            y *= 2
-            y -= 1
-            y *= sig
-            y = y.reshape(-1)
-            if flat is not None:
-                flat[...] = y[: lay.total]  # one copy
-            else:  # one copy per tensor: the arrays are the caller's
-                for v, o, n in zip(views, lay.offsets, lay.sizes):
-                    if n:
-                        v[...] = y[o : o + n]
-            s_acc = s.astype(acc)
-            c -= xp.where(bits, s_acc, -s_acc)
-            sigma_acc = sigma.astype(acc)
-            u -= xp.where(ubits, sigma_acc, -sigma_acc)
-            self.worker_error, self.server_error = c, u
-        t5 = time.perf_counter()
-        comm.stats.record(self.KIND, self._traffic((t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4))
-        return x
+        return xp, views, None if views is None else comm._fused_input(x, views), problem
 
-    def _gather(self, xp, flat, views, out):
-        """``out[...] = x`` (the caller's arrays, fused): one copy for a fused ``x``; for a list of
-        arrays on a device one ``concatenate`` (into ``out`` when the dtypes agree, else a
-        concatenation and one cast), per tensor on the CPU."""
-        lay = self.layout
+    def _check(self, codes, problem, times):
+        """Raise on every rank alike, given both phases' status words (every rank's, then every
+        server's): a rank's bad input or non-finite ``c``, or a server's non-finite scale."""
+        P, comm = self.size, self.comm
+        codes1, codes2 = codes[:P], codes[P:]
+        with comm.stats.failed(self.KIND, lambda: self._traffic(times.encode, times.comm, 0.0)):
+            if any(codes1) or problem is not None:
+                comm._fail(codes1, problem, "onebit_allreduce")
+            if any(codes2):
+                bad = [r for r, v in enumerate(codes2) if v]
+                raise NonFiniteError(f"onebit_allreduce: the server scale of chunk(s) {bad} is not finite (beyond "
+                                     f"the range of {self.value_dtype.name}); nothing was changed", bad)
+
+    def record(self, times):
+        """Count one exchange (its timings :class:`_Times`, decoding until now) in the statistics."""
+        decode_s = time.perf_counter() - times.end
+        self.comm.stats.record(self.KIND, self._traffic(times.encode, times.comm, decode_s))
+
+    # ------------------------------------------------------------------ on the host
+    def _host_allreduce(self, views, flat, problem, t0):
+        """The exchange on NumPy arrays: whole-buffer operations (section 1, step by step)."""
+        comm, lay, P, B = self.comm, self.layout, self.size, self.block
+        ew, es = self._errors(np) if views is not None else (None, None)
+        c, s, bits, send = self._host_worker(views, flat, problem, ew)
+        t1 = time.perf_counter()
+        recv = np.empty((P, B), np.uint8)
+        comm.transport.alltoall(send.reshape(-1), recv.reshape(-1))
+        t2 = time.perf_counter()
+        u, sigma, ubits, send2 = self._host_server(recv, es)
+        t3 = time.perf_counter()
+        recv2 = np.empty((P, B), np.uint8)
+        comm.transport.allgather(send2, recv2.reshape(-1))
+        t4 = time.perf_counter()
+        times = _Times(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, t4)
+        words = np.concatenate((recv[:, :4].copy().view(np.int32).reshape(-1),
+                                recv2[:, :4].copy().view(np.int32).reshape(-1)))
+        self._check(words.tolist(), problem, times)
+        y = self._decoded(recv2, self._scales(recv2))
         if flat is not None:
-            out[...] = flat
-        elif xp is np or not len(lay):
+            flat[...] = y[: lay.total]  # one copy
+        else:  # one copy per tensor: the arrays are the caller's
             for v, o, n in zip(views, lay.offsets, lay.sizes):
                 if n:
-                    out[o : o + n] = v
-        elif lay.dtype == out.dtype:
-            xp.concatenate([views[i] for i in range(len(lay))], out=out)
-        else:
-            out[...] = xp.concatenate([views[i] for i in range(len(lay))])
+                    v[...] = y[o : o + n]
+        acc = self.acc_dtype
+        s_acc, sigma_acc = s.astype(acc), sigma.astype(acc)
+        c -= np.where(bits, s_acc, -s_acc)
+        u -= np.where(ubits, sigma_acc, -sigma_acc)
+        self.worker_error, self.server_error = c, u
+        return times
+
+    def _host_worker(self, views, flat, problem, ew):
+        """Steps 1-2: ``c = pad(x) + e``, its scale and signs, and phase 1's blocks."""
+        lay, P, cb = self.layout, self.size, self.chunk_bytes
+        c = np.zeros(self.padded, self.acc_dtype)
+        if views is not None:
+            self._gather(flat, views, c[: lay.total])
+            if ew is not None:
+                c += ew
+        s, ok = self._scale(c, self.padded)
+        bits = c >= 0
+        status = STATUS_BAD_INPUT if problem is not None else (0 if ok else STATUS_NON_FINITE)
+        send = np.zeros((P, self.block), np.uint8)
+        send[:, : self.HEADER] = self._header(status, s)
+        send[:, self.HEADER : self.HEADER + cb] = pack_signs(bits).reshape(P, cb)
+        return c, s, bits, send
+
+    def _host_server(self, recv, es):
+        """Steps 5-7: the server's average of the P decoded chunks plus its error, its scale and
+        signs, and phase 2's block."""
+        P, nc, cb, acc = self.size, self.chunk, self.chunk_bytes, self.acc_dtype
+        scales = self._scales(recv).reshape(P)
+        scales *= acc.type(1.0 / P)
+        signs = unpack_signs(recv[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(P, nc)
+        u = np.zeros(nc, acc)
+        for j in range(P):
+            sj = signs[j].astype(acc)
+            sj *= 2
+            sj -= 1
+            sj *= scales[j]
+            u += sj
+        if es is not None:
+            u += es
+        sigma, ok = self._scale(u, nc)
+        ubits = u >= 0
+        send2 = np.zeros(self.block, np.uint8)
+        send2[: self.HEADER] = self._header(0 if ok else STATUS_NON_FINITE, sigma)
+        send2[self.HEADER : self.HEADER + cb] = pack_signs(ubits)
+        return u, sigma, ubits, send2
+
+    def _scales(self, blocks):
+        """The scales in the headers of ``blocks`` (P rows), in the accumulation dtype, as a column."""
+        vdt = self.value_dtype
+        return blocks[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(-1, 1).astype(self.acc_dtype)
+
+    def _decoded(self, recv2, sig):
+        """Step 9: ``σ_k sgn(u_k)`` on every chunk k, the padded result."""
+        cb = self.chunk_bytes
+        y = unpack_signs(recv2[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(self.size, self.chunk)
+        y = y.astype(self.acc_dtype)
+        y *= 2
+        y -= 1
+        y *= sig
+        return y.reshape(-1)
+
+    def _header(self, status, scale):
+        """The 16-byte block header: int32 ``status`` and the scale as ``value_dtype``."""
+        h = np.zeros(self.HEADER, np.uint8)
+        h[0:4].view(np.int32)[...] = status
+        h[8 : 8 + self.value_dtype.itemsize].view(self.value_dtype)[...] = scale
+        return h
+
+    def _scale(self, a, n):
+        """``||a|| / sqrt(n)`` summed in float64 (NumPy's pairwise sum, which the device's tree
+        passes reproduce bit for bit), as ``value_dtype`` (0-d array), and whether it is finite.
+        A NaN or Inf in ``a`` makes it NaN/Inf."""
+        sq = np.sum(np.square(a, dtype=np.float64))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported as non-finite instead
+            s = (np.sqrt(sq) / math.sqrt(n)).astype(self.value_dtype)
+        return s, bool(np.isfinite(s))
+
+    def _gather(self, flat, views, out):
+        """``out[...] = x`` (the caller's arrays, fused): one copy for a fused ``x``, else per tensor."""
+        if flat is not None:
+            out[...] = flat
+            return
+        for v, o, n in zip(views, self.layout.offsets, self.layout.sizes):
+            if n:
+                out[o : o + n] = v
+
+    # ------------------------------------------------------------------ on a device
+    def _device_allreduce(self, xp, views, flat, problem, t0):
+        """The exchange on a device: :meth:`device_exchange` of ``x`` (read where it is: one fused
+        buffer, or a list through its table of addresses), then one launch writes the result into
+        ``x`` and commits both error buffers in place."""
+        tiles, tables = self.comm.device_tables(xp)
+        x = None if views is None else _dev.tensors(xp, tables, "onebit", views if flat is None else flat,
+                                                   self.layout.dtype)
+        w, times = self.device_exchange(xp, lambda w, e: w.encode(xp, tiles, x, e), problem, t0)
+        w.decode(xp, tiles, x, *self.error_buffers(xp))
+        return times
+
+    def device_exchange(self, xp, encode, problem=None, t0=None):
+        """Both phases on the device, nothing committed: ``encode(wire, e)`` writes phase 1's
+        blocks and the compensated buffer ``wire.c`` from the worker error ``e`` (None: zeros; a
+        rank with a ``problem`` sends zeros); then the all-to-all, the server's pass
+        (:meth:`DeviceWire.serve`), the allgather, and one host read of both phases' status words
+        (:meth:`DeviceWire.codes`), raising as :meth:`allreduce` does. Returns the
+        :class:`DeviceWire` (phase 2's blocks in ``recv2``; ``c`` and ``u``, which
+        :meth:`error_buffers` are to become) and the :class:`_Times`. Two launches besides
+        ``encode`` and the collectives, whatever the number of tensors."""
+        t0 = time.perf_counter() if t0 is None else t0
+        key = (xp.__name__, xp.cuda.Device().id)
+        if self._wire is None or self._wire[0] != key:
+            self._wire = (key, DeviceWire(xp, self))
+        w = self._wire[1]
+        ew, es = self._errors(xp) if problem is None else (None, None)
+        encode(w, ew)
+        t1 = time.perf_counter()
+        self.comm.transport.alltoall(w.send, w.recv)
+        t2 = time.perf_counter()
+        w.serve(xp, es)
+        t3 = time.perf_counter()
+        self.comm.transport.allgather(w.send2, w.recv2)
+        t4 = time.perf_counter()
+        times = _Times(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, t4)
+        self._check(w.codes(xp), problem, times)
+        return w, times
+
+    def error_buffers(self, xp):
+        """The worker and server errors, which a device commit writes in place (made, not yet
+        initialised, before the first exchange: the commit writes every element)."""
+        if self.worker_error is None:
+            self.worker_error = xp.empty(self.padded, self.acc_dtype)
+            self.server_error = xp.empty(self.chunk, self.acc_dtype)
+        return self.worker_error, self.server_error
 
     def _traffic(self, encode_s, comm_s, decode_s):
         """One exchange's :class:`Traffic`: the all-to-all's P blocks and the allgather's one."""
         P, B, lay = self.size, self.block, self.layout
         p1, p2 = P * B, B
         dense = lay.total * lay.dtype.itemsize
-        return Traffic(1, p1 + p2, alltoall_wire(p1, P) + allgather_wire(p2, P), dense, allreduce_wire(dense, P),
-                       lay.total, lay.total, encode_s, comm_s, decode_s)
+        return Traffic.one_call(
+            payload_bytes=p1 + p2, wire_bytes=alltoall_wire(p1, P) + allgather_wire(p2, P), dense_bytes=dense, size=P,
+            elements_sent=lay.total, elements_total=lay.total, encode_s=encode_s, comm_s=comm_s, decode_s=decode_s)
+
+
+class DeviceWire:
+    """The device side of one :class:`OneBitExchange` (made once per device) and its launches: the
+    compensated buffer ``c`` (N', the worker error-to-be) and the server's average ``u`` (N'/P),
+    the four blocks of the two collectives (the two sent have their padding bytes zeroed once:
+    nothing writes them), both phases' status words (the host read), and the subtree sums and
+    block counters of the two tree passes (docs/onebit_lamb.md section 5). One zero fill
+    (the blocks to send and the counters, carved out of one buffer); the rest uninitialised."""
+
+    def __init__(self, xp, ex):
+        P, B, acc = ex.size, ex.block, ex.acc_dtype
+        self.ex = ex
+        self.depth, self.depth2 = tree_depth(ex.padded), tree_depth(ex.chunk)
+        zeroed = xp.zeros(P * B + B + 16, np.uint8)  # B is a multiple of 8: the counters are aligned
+        self.send, self.send2 = zeroed[: P * B], zeroed[P * B : P * B + B]
+        self.counters = zeroed[P * B + B :].view(np.uint32)
+        self.recv, self.recv2 = xp.empty(P * B, np.uint8), xp.empty(P * B, np.uint8)
+        self.c, self.u = xp.empty(ex.padded, acc), xp.empty(ex.chunk, acc)
+        self.words = xp.empty(2 * P, np.int32)
+        self.partials = xp.empty(_subtrees(self.depth) + _subtrees(self.depth2), np.float64)
+
+    def worker_pass(self):
+        """The trailing arguments of a worker's tree pass (into ``c`` and ``send``), its grid and its
+        writes."""
+        ex, nw = self.ex, _subtrees(self.depth)
+        args = (np.int64(ex.padded), np.int32(self.depth), self.c, self.send, np.int64(ex.chunk_bytes),
+                np.int64(ex.block), np.int32(ex.size), np.float64(math.sqrt(ex.padded)), self.partials[:nw],
+                self.counters[:2])
+        writes = [("compensated", ex.padded * ex.acc_dtype.itemsize), ("signs", ex.padded // 8 + 16 * ex.size),
+                  ("subtree sums", 16 * nw)]
+        return args, nw, writes
+
+    def encode(self, xp, tiles, x, e):
+        """Phase 1's encoding of the exchange's input ``x`` (:class:`~slamb_comm.onebit_kernels.Tensors`;
+        None on a rank that rejected its input: zeros, status 1) plus the worker error ``e`` (None before
+        the first exchange: zeros): ``c``, its signs, its scale and status into every block's header."""
+        ex = self.ex
+        lay, acc = ex.layout, ex.acc_dtype
+        zero = x is None
+        if zero:
+            x = _dev.Tensors(_dev.dummy(xp, np.uint64), _dev.dummy(xp, lay.dtype), np.int32(1))
+        tail, grid, writes = self.worker_pass()
+        args = (x.tab, x.flat, x.fused, tiles.toff, np.int32(len(lay)), np.int64(lay.total), _dev.dummy(xp, acc, e),
+                np.int32(e is not None), np.int32(zero), *tail)
+        reads = [("x", 0 if zero else lay.total * lay.dtype.itemsize),
+                 ("worker error", 0 if e is None else ex.padded * acc.itemsize), _dev.table_bytes(x, len(lay))]
+        _ok.launch(xp, _ok.name("encode_x", lay.dtype, ex.value_dtype), grid, args, reads, writes)
+
+    def serve(self, xp, es):
+        """Phase 2's encoding: this rank's chunk averaged over the P ranks' signs and scales, plus the
+        server error ``es`` (None: zeros), into ``u``; its signs, scale and status into ``send2``."""
+        ex = self.ex
+        P, nc, acc = ex.size, ex.chunk, ex.acc_dtype
+        nw, ns = _subtrees(self.depth), _subtrees(self.depth2)
+        args = (self.recv, np.int64(ex.block), np.int32(P), np.float64(1.0 / P), _dev.dummy(xp, acc, es),
+                np.int32(es is not None), np.int64(nc), np.int32(self.depth2), self.u, self.send2,
+                np.float64(math.sqrt(nc)), self.partials[nw:], self.counters[2:])
+        reads = [("signs", P * (ex.chunk_bytes + 16)), ("server error", 0 if es is None else nc * acc.itemsize)]
+        writes = [("average", nc * acc.itemsize), ("signs", ex.chunk_bytes + 16), ("subtree sums", 16 * ns)]
+        _ok.launch(xp, _ok.name("server", acc, ex.value_dtype), ns, args, reads, writes)
+
+    def codes(self, xp):
+        """Both phases' status words, every rank's then every server's: one small launch, one host read."""
+        P = self.ex.size
+        _ok.launch(xp, "ob_collect", 1, (self.recv, self.recv2, np.int64(self.ex.block), np.int32(P), self.words),
+                   reads=[("status words", 8 * P)], writes=[("status words", 8 * P)])
+        return _arr.to_host(self.words).tolist()
+
+    def decode(self, xp, tiles, x, e, es):
+        """The result, ``σ_k sgn(u_k)`` on chunk k, into the tensors ``x`` (:class:`~slamb_comm.onebit_kernels.
+        Tensors`), and the errors ``e``, ``es`` committed in place from ``c`` and ``u``: one launch."""
+        ex = self.ex
+        lay, acc, Np, nc = ex.layout, ex.acc_dtype, ex.padded, ex.chunk
+        args = (*_dev.tiled(tiles), x.tab, x.flat, x.fused, tiles.toff, self.recv2, np.int64(ex.block), np.int64(nc),
+                self.c, e, np.int64(Np), self.send, self.u, es, self.send2)
+        reads = [("signs", lay.total // 8 + 16 * ex.size), ("c, u", (Np + nc) * acc.itemsize),
+                 ("tables", 20 * tiles.count), _dev.table_bytes(x, len(lay))]
+        writes = [("x", lay.total * lay.dtype.itemsize), ("errors", (Np + nc) * acc.itemsize)]
+        _ok.launch(xp, _ok.name("decode", lay.dtype, ex.value_dtype), max(tiles.count, Np // TILE + 1), args, reads,
+                   writes)

@@ -1,12 +1,12 @@
 """The 1-bit LAMB rule on fused flat buffers (docs/onebit_lamb.md section 2, with section 3's
 slamb_comm choices).
 
-:class:`OneBitLamb` owns the optimizer state of one fused buffer of parameters and does one
+:class:`OneBitLambRule` owns the optimizer state of one fused buffer of parameters and does one
 step at a time:
 
 * **warm-up**, steps 1..``freeze_step``: one dense allreduce of the gradient (the mean ḡ), then
-  LAMB on ḡ -- ``m``, ``v``, the LAMB coefficient ``c = clamp(||x|| / ||u||, min_coeff,
-  max_coeff)`` per tensor, and its moving average ``κ`` (``coeff_beta``);
+  LAMB on ḡ -- ``m``, ``v``, the LAMB coefficient ``c = clamp(||x|| / ||u||, c_min,
+  c_max)`` per tensor, and its moving average ``κ`` (``coeff_beta``);
 * **compression**, after ``freeze_step``: v is frozen; each rank's momentum, scaled per tensor
   by ``γ`` (fixed at the first compression step so that every tensor's momentum has the same
   RMS), goes through the 1-bit exchange (:class:`~slamb_comm.onebit.OneBitExchange`); the
@@ -14,11 +14,16 @@ step at a time:
   sets a bounded factor ``φ``; the step is ``x -= lr κ φ u``.
 
 Costs: state m, v, f (12 bytes per fp32 parameter) plus the exchange's error buffers (4 + 4/P
-bytes per parameter), one scratch buffer of the whole model (the averaged gradient, then the
-exchanged momentum) and the exchange's temporaries; the direction is computed per tensor, twice
-(for the norms, then for the update), instead of being kept for the whole model. Host reads per step: one (the per-tensor norms, read together) plus the
-exchange's one (compression) or the allreduce's (warm-up); one more at the first compression
-step (the scaling factors).
+bytes per parameter). On the CPU the step goes tensor by tensor, with one scratch buffer of the
+whole model (the averaged gradient, then the exchanged momentum), the direction computed twice
+(for the norms, then for the update) instead of being kept. On a device (docs/onebit_lamb.md
+section 5) a constant number of launches whatever the number of tensors: the warm-up 4 besides
+the dense allreduce's (64 bytes of device traffic per fp32 parameter at two ranks, the
+allreduce included), the compression stage 6 and the two collectives (69 bytes, 73 with weight
+decay), one more launch at its first step (γ); no copy to the device after the first step, the
+warm-up's mean gradient and the exchange's buffers as scratch; two host reads per step (the
+allreduce's or the exchange's status words, at P = 1 the momentum's check; then the per-tensor
+numbers, γ with them at its step).
 
 Tuning (DeepSpeed's advice): ``freeze_step`` long enough for v to settle (their BERT runs:
 a few thousand steps, with ``1 / (1 - coeff_beta) <= freeze_step``); ``factor_min``,
@@ -28,36 +33,44 @@ may be rescaled in the compression stage.
 
 import logging
 import math
+import warnings
 
 import numpy as np
 
 from . import arrays as _arr
+from .deprecation import renamed
 from .errors import ConfigError, LayoutError, NonFiniteError
 from .onebit import OneBitExchange
+from .onebit_device import LambOnDevice
+from .tensorwise import trust_ratio
 
-__all__ = ["OneBitLamb"]
+__all__ = ["OneBitLambRule"]
 
 log = logging.getLogger("slamb_comm")
 
 
-def _read(xp, values):
-    """Host floats of a list of scalars: as they are on the CPU, one read for all on a GPU."""
-    if not values:
-        return []
-    if xp is np:
-        return [float(v) for v in values]
-    return _arr.to_host(xp.stack([xp.asarray(v, dtype=np.float64).reshape(()) for v in values])).tolist()
+def trust_bounds(c_min, c_max, min_coeff=None, max_coeff=None):
+    """``(c_min, c_max)``, from DeepSpeed's names ``min_coeff``/``max_coeff`` where given (deprecated:
+    a DeprecationWarning; removed in the next release), which win where given."""
+    out = []
+    for new, value, old, alias in (("c_min", c_min, "min_coeff", min_coeff), ("c_max", c_max, "max_coeff", max_coeff)):
+        if alias is not None:
+            warnings.warn(f"1-bit LAMB's {old}= is deprecated: pass {new}= (the trust ratio's bound, as SLAMB's)",
+                          DeprecationWarning, stacklevel=3)
+            value = alias
+        out.append(value)
+    return tuple(out)
 
 
-def _sumsq(xp, a):
-    return float(np.dot(a, a)) if xp is np else xp.sum(xp.square(a, dtype=np.float64))
+def _sumsq(a):
+    return float(np.dot(a, a))
 
 
 def _clamp(v, lo, hi):
     return min(max(v, lo), hi)
 
 
-class OneBitLamb:
+class OneBitLambRule:
     """1-bit LAMB's state and update for the fused buffer described by ``comm.layout``.
 
     Args:
@@ -65,7 +78,8 @@ class OneBitLamb:
             have ``alltoall``, its ``value_dtype`` is that of the exchanged scales.
         lr, betas, eps, weight_decay: as in LAMB (``u = m / (sqrt(v) + eps) + weight_decay x``).
         freeze_step: the number of warm-up (dense LAMB) steps.
-        max_coeff, min_coeff: clamp of the warm-up's LAMB coefficient.
+        c_max, c_min: clamp of the warm-up's LAMB coefficient (the trust ratio's bounds, named
+            as SLAMB's; DeepSpeed's ``max_coeff``/``min_coeff`` are deprecated aliases).
         coeff_beta: moving-average rate of the warm-up's LAMB coefficient (κ).
         factor_max, factor_min, factor_threshold: bounds of the compression stage's factor φ,
             and of its change per step (a fraction of the previous φ).
@@ -79,20 +93,21 @@ class OneBitLamb:
     """
 
     def __init__(self, comm, *, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip"):
+                 c_max=10.0, c_min=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip", max_coeff=None, min_coeff=None):
+        c_min, c_max = trust_bounds(c_min, c_max, min_coeff, max_coeff)
         self.comm = comm
         self.layout = comm.layout
         if self.layout.dtype == np.float16:
-            raise ConfigError("OneBitLamb keeps its state in the parameters' dtype: keep a float32 master copy "
+            raise ConfigError("OneBitLambRule keeps its state in the parameters' dtype: keep a float32 master copy "
                               "of float16 parameters and build the communicator on it")
         b1, b2 = (float(b) for b in betas)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must be in [0, 1), got {betas}")
         if isinstance(freeze_step, bool) or int(freeze_step) != freeze_step or freeze_step < 0:
             raise ConfigError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
-        if not (0.0 < float(min_coeff) <= float(max_coeff)):
-            raise ConfigError(f"need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        if not (0.0 < float(c_min) <= float(c_max)):
+            raise ConfigError(f"need 0 < c_min <= c_max, got {c_min}, {c_max}")
         if not (0.0 < float(factor_min) <= 1.0 <= float(factor_max)):
             raise ConfigError(f"need 0 < factor_min <= 1 <= factor_max, got {factor_min}, {factor_max}")
         if not (0.0 <= float(factor_threshold) < 1.0):
@@ -107,7 +122,7 @@ class OneBitLamb:
         self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
         self.betas = (b1, b2)
         self.freeze_step = int(freeze_step)
-        self.max_coeff, self.min_coeff = float(max_coeff), float(min_coeff)
+        self.c_max, self.c_min = float(c_max), float(c_min)
         self.coeff_beta = float(coeff_beta)
         self.factor_max, self.factor_min = float(factor_max), float(factor_min)
         self.factor_threshold = float(factor_threshold)
@@ -125,6 +140,7 @@ class OneBitLamb:
         self.m = self.v = self.f = None
         self._host = None
         self._scratch = {}
+        self._device = None  # ((library, device), its LambOnDevice)
 
     # ------------------------------------------------------------------ state
     @property
@@ -144,6 +160,12 @@ class OneBitLamb:
             self._xp = xp
         elif self._xp is not xp:
             raise TypeError(f"1-bit LAMB state lives in {self._xp.__name__}, got {xp.__name__} arrays")
+
+    def place(self, like):
+        """Allocate the state now (zeros, or what :meth:`load_state_dict` restored) in the library
+        and on the device of the array ``like``, instead of at the first step."""
+        like = _arr.as_array(like)
+        self._ensure_state(_arr.namespace(like), like)
 
     def _buf(self, xp, name):
         a = self._scratch.get(name)
@@ -190,6 +212,7 @@ class OneBitLamb:
         self._xp = None
         self.m = self.v = self.f = None
         self._scratch = {}
+        self._device = None
         self._host = None if state["m"] is None else {
             k: None if state[k] is None else np.array(_arr.to_host(state[k]), dtype=dt, copy=True)
             for k in ("m", "v", "f")}
@@ -209,10 +232,12 @@ class OneBitLamb:
         self._ensure_state(xp, like)
         try:
             with _arr.device_scope(like):
-                if self.compressing:
-                    self._compressed(xp, xv, gv, lr)
+                if xp is not np:
+                    self._device_step(xp, x, xv, g, gv, lr)
+                elif self.compressing:
+                    self._compressed(xv, gv, lr)
                 else:
-                    self._warmup(xp, xv, gv, lr)
+                    self._warmup(xv, gv, lr)
         except NonFiniteError as e:
             if self.on_nonfinite == "raise":
                 raise
@@ -246,14 +271,14 @@ class OneBitLamb:
         frozen = min(t, self.freeze_step)
         return 1.0 - b1**t, 1.0 - b2**frozen, 1.0 - b2**t
 
-    def _warmup(self, xp, xv, gv, lr):
+    def _warmup(self, xv, gv, lr):
         lay, comm = self.layout, self.comm
         dt = lay.dtype.type
         t = self.t + 1
         b1, b2 = self.betas
         # the mean gradient (the engine's dense allreduce in DeepSpeed); raises, changing nothing,
         # if any rank's gradient is not finite
-        gbar = self._buf(xp, "g")
+        gbar = self._buf(np, "g")
         for v, o, n in zip(gv, lay.offsets, lay.sizes):
             gbar[o : o + n] = v
         comm.sync(gbar)
@@ -265,63 +290,62 @@ class OneBitLamb:
             m += dt(1.0 - b1) * g
             v *= dt(b2)
             v += dt(1.0 - b2) * (g * g)
-            u = self._direction(xp, i, c1, c2, xi)
-            sums += [_sumsq(xp, xi), _sumsq(xp, u)]
+            u = self._direction(i, c1, c2, xi)
+            sums += [_sumsq(xi), _sumsq(u)]
             del u
         if t == self.freeze_step:
             self.f = self.v.copy()
-        vals = _read(xp, sums)
         for i, (o, n) in enumerate(lay.segments()):
-            xn, un = math.sqrt(vals[2 * i]), math.sqrt(vals[2 * i + 1])
-            c = _clamp(xn / un, self.min_coeff, self.max_coeff) if xn != 0 and un != 0 else 1.0
+            xn, un = math.sqrt(sums[2 * i]), math.sqrt(sums[2 * i + 1])
+            c = trust_ratio(xn, un, self.c_min, self.c_max)
             if c != 1.0:
                 self.kappa[i] = self.coeff_beta * self.kappa[i] + (1.0 - self.coeff_beta) * c
             self.lamb_coeffs[i] = c
             if n:  # the direction again, as in the first pass (bitwise): no whole-model scratch for it
-                xv[i] -= dt(lr * c) * self._direction(xp, i, c1, c2, xv[i])
+                xv[i] -= dt(lr * c) * self._direction(i, c1, c2, xv[i])
         self.t = t
 
-    def _direction(self, xp, i, c1, cv, xi):
+    def _direction(self, i, c1, cv, xi):
         """Tensor ``i``'s direction ``m / (sqrt(v / cv) + eps) + weight_decay * xi``, a new
         array: computed in the first pass for the norms and again in the update pass with the
         same operations, so the two agree bit for bit."""
         o, n = self.layout.offsets[i], self.layout.sizes[i]
         dt = self.layout.dtype.type
         m, v = self.m[o : o + n], self.v[o : o + n]
-        u = xp.sqrt(v / dt(cv) if cv != 1.0 else v)
+        u = np.sqrt(v / dt(cv) if cv != 1.0 else v)
         u += dt(self.eps)
-        xp.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
+        np.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
         if self.weight_decay > 0:
             u += dt(self.weight_decay) * xi
         return u
 
-    def _scaling(self, xp):
+    def _scaling(self):
         """γ per tensor (first compression step): equal momentum RMS for every tensor."""
         lay = self.layout
-        vals = _read(xp, [_sumsq(xp, self.m[o : o + n]) for o, n in lay.segments()])
+        vals = [_sumsq(self.m[o : o + n]) for o, n in lay.segments()]
         rho = [math.sqrt(s) / math.sqrt(n) if n else 0.0 for s, n in zip(vals, lay.sizes)]
         nonempty = [r for r, n in zip(rho, lay.sizes) if n]
         rbar = sum(nonempty) / len(nonempty) if nonempty else 0.0
         return [rbar / r if r > 0 and rbar > 0 else 1.0 for r in rho]
 
-    def _compressed(self, xp, xv, gv, lr):
+    def _compressed(self, xv, gv, lr):
         lay, comm = self.layout, self.comm
         dt = lay.dtype.type
         t = self.t + 1
         b1, b2 = self.betas
-        gamma = self.gamma if self.gamma is not None else self._scaling(xp)
+        gamma = self.gamma if self.gamma is not None else self._scaling()
         if self.f is None:  # freeze_step == 0: no warm-up, the fresh second moment starts from v
             self.f = self.v.copy()
         # this rank's scaled momentum, exchanged (m itself is untouched until the exchange succeeded)
-        M = self._buf(xp, "g")
+        M = self._buf(np, "g")
         for i, (o, n) in enumerate(lay.segments()):
             mi = M[o : o + n]
-            xp.multiply(self.m[o : o + n], dt(b1), out=mi)
+            np.multiply(self.m[o : o + n], dt(b1), out=mi)
             mi += dt(1.0 - b1) * gv[i]
             mi *= dt(gamma[i])
         if comm.size > 1:
             self.exchange.allreduce(M)
-        elif not bool(xp.isfinite(xp.sum(M, dtype=np.float64))):
+        elif not np.isfinite(np.sum(M, dtype=np.float64)):
             raise NonFiniteError(f"1-bit LAMB step {t}: non-finite gradient", (0,))
         self.gamma = gamma
         c1, cv, cf = self._corrections(t)
@@ -338,25 +362,31 @@ class OneBitLamb:
             f += dt(1.0 - b2) * (ghat * ghat)
             del ghat
             m[...] = mn
-            d = xp.sqrt(v / dt(cv) if cv != 1.0 else v)
+            d = np.sqrt(v / dt(cv) if cv != 1.0 else v)
             d += eps
             # the direction only for its norms (with weight decay); the update pass recomputes it
-            u = xp.divide(m / dt(c1) if c1 != 1.0 else m, d) if self.weight_decay > 0 else None
-            df = xp.sqrt(f / dt(cf) if cf != 1.0 else f)
+            u = np.divide(m / dt(c1) if c1 != 1.0 else m, d) if self.weight_decay > 0 else None
+            df = np.sqrt(f / dt(cf) if cf != 1.0 else f)
             df += eps
             d /= df
             ratio = d.max()
             del d, df
             if u is not None:
-                sums += [ratio, _sumsq(xp, u)]
+                sums += [ratio, _sumsq(u)]
                 u += wd * xi
-                sums.append(_sumsq(xp, u))
+                sums.append(_sumsq(u))
                 del u
             else:
                 sums.append(ratio)
-        vals = _read(xp, sums)
+        self._factors_and_update(xv, [float(v) for v in sums], lr, c1, cv)
+        self.t = t
+
+    def _factors_and_update(self, xv, vals, lr, c1, cv):
+        """Steps 9-11 per tensor, from the host values ``vals`` of the moments pass (per tensor
+        with elements: the largest ratio, then with weight decay ``||u0||²`` and ``||u||²``)."""
+        dt = self.layout.dtype.type
         k = 0
-        for i, (o, n) in enumerate(lay.segments()):
+        for i, n in enumerate(self.layout.sizes):
             if not n:
                 continue
             factor = vals[k]
@@ -372,5 +402,71 @@ class OneBitLamb:
             self.phi[i] = factor
             coeff = self.kappa[i] * factor
             self.lamb_coeffs[i] = coeff
-            xv[i] -= dt(lr * coeff) * self._direction(xp, i, c1, cv, xv[i])
+            xv[i] -= dt(lr * coeff) * self._direction(i, c1, cv, xv[i])
+
+    # ------------------------------------------------------------------ on a device
+    def _device_step(self, xp, x, xv, g, gv, lr):
+        """One step on a device in a constant number of launches, whatever the number of tensors
+        (docs/onebit_lamb.md section 5); ``x`` and ``g`` are read where they are (a fused
+        buffer, or a list through its table of addresses). The per-tensor numbers (κ, φ, the
+        coefficients, γ) live on the device and come back with one host read at the end."""
+        key = (xp.__name__, xp.cuda.Device().id)
+        if self._device is None or self._device[0] != key:
+            self._device = (key, LambOnDevice(xp, self))
+        dev = self._device[1]
+        dev.copy_in(xp)
+        xt, gt = dev.operand(xp, "x", x, xv), dev.operand(xp, "g", g, gv)
+        fixes_gamma = self.compressing and self.gamma is None
+        if self.compressing:
+            self._device_compressed(xp, dev, xt, gt, lr)
+        else:
+            self._device_warmup(xp, dev, xt, gt, lr)
+        dev.read_back(fixes_gamma)
+
+    def _device_warmup(self, xp, dev, xt, gt, lr):
+        """The warm-up (2.2): the gradient copied and checked (one launch), its mean (the dense
+        allreduce, which raises on every rank if some rank's gradient is not finite), then the
+        moments and tile norms, the coefficients and the update (three launches)."""
+        t = self.t + 1
+        gbar = self._buf(xp, "g")
+        dev.scan(xp, gt, gbar)
+        self.comm.sync(gbar, bad=dev.word[2])
+        copy_f = t == self.freeze_step
+        if copy_f:
+            self.f = xp.empty(self.layout.total, self.layout.dtype)  # f = v, written by the moments pass
+        c1, c2, _ = self._corrections(t)
+        dev.warm(xp, xt, gbar, copy_f, c1, c2)
+        dev.coeffs(xp, False, lr)
+        dev.update(xp, xt, c1, c2)
         self.t = t
+
+    def _device_compressed(self, xp, dev, xt, gt, lr):
+        """The compression stage (2.3): γ at its first step (one launch), the 1-bit exchange of
+        the scaled momentum computed on the fly (:meth:`OneBitExchange.device_exchange`; at
+        P = 1 one launch checks it instead), then the moments with the errors' commit, the
+        factors and the update (three launches)."""
+        t = self.t + 1
+        self._scratch.pop("g", None)  # the warm-up's mean gradient: no buffer of the model's size is needed here
+        if self.gamma is None:
+            dev.gamma(xp)
+        if self.f is None:  # freeze_step == 0: no warm-up, the fresh second moment starts from v
+            self.f = self.v.copy()
+        w = errors = times = None
+        if self.comm.size > 1:
+            w, times = self.exchange.device_exchange(xp, lambda w, e: dev.encode(xp, w, gt, e))
+            errors = self.exchange.error_buffers(xp)
+        else:
+            dev.scan(xp, gt, None)
+            if bool(dev.word[2]):
+                raise NonFiniteError(f"1-bit LAMB step {t}: non-finite gradient", (0,))
+        corrections = self._corrections(t)
+        dev.comp(xp, xt, gt, w, errors, corrections)
+        if times is not None:
+            self.exchange.record(times)
+        dev.coeffs(xp, True, lr)
+        dev.update(xp, xt, *corrections[:2])
+        self.t = t
+
+
+# the name before the rename: the core's rule and the torch optimizer no longer differ by case alone
+__getattr__ = renamed(__name__, OneBitLamb=OneBitLambRule)

@@ -28,7 +28,7 @@ from . import arrays as _arr
 from .codecs import Layout
 from .communicator import Communicator
 from .errors import ConfigError, LayoutError, LayoutMismatchError, NonContiguousError, PeerError, SlambCommError
-from .stats import Traffic, allreduce_wire
+from .stats import Traffic
 from .transports import LocalTransport
 
 __all__ = ["DiLoCo", "DesLoc", "DEFAULT_INTERVAL"]
@@ -159,8 +159,9 @@ class _Periodic:
                     for v, o, n in zip(views, lay.offsets, lay.sizes):
                         v[...] = buf[o : o + n]
             dense = lay.total * self.dtype.itemsize
-            self.stats.record("broadcast", Traffic(1, dense, float(dense), dense, allreduce_wire(dense, P),
-                                                   lay.total, lay.total, 0.0, time.perf_counter() - t0, 0.0))
+            self.stats.record("broadcast", Traffic.one_call(
+                payload_bytes=dense, wire_bytes=float(dense), dense_bytes=dense, size=P, elements_sent=lay.total,
+                elements_total=lay.total, comm_s=time.perf_counter() - t0))
             self.stats.new_step()  # the start's broadcast is in stats.total, not in the first step's counts
         return xp, views, flat
 

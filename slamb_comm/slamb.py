@@ -1,6 +1,6 @@
 """The SLAMB update rule on fused flat buffers (docs/algorithm.md section 1).
 
-:class:`Slamb` owns the optimizer state of one fused buffer of parameters -- momentum
+:class:`SlambRule` owns the optimizer state of one fused buffer of parameters -- momentum
 ``m`` and second moment ``v``, each one flat array -- and does one step:
 
 1. local moments ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2`` (v is never sent);
@@ -38,7 +38,7 @@ Tuning guide (from the paper and docs/algorithm.md section 5):
 * ``ratio`` (k, on the communicator): the fraction of the momentum exchanged per step.
   0.1 is the paper's default; the bytes per step are about ``k + 1/H`` of dense LAMB's,
   plus the always-dense small and 1-D tensors. With ``value_dtype='float16'`` halve that.
-  It can change between steps (:meth:`Slamb.set_ratio`): the reference's CIFAR-10 runs
+  It can change between steps (:meth:`SlambRule.set_ratio`): the reference's CIFAR-10 runs
   start denser (0.5, 0.5, 0.2, then 0.1, one value per epoch).
 * ``beta3``: how fast a stale element's step slides from the large-batch rate ``lr`` to the
   small-batch rate ``lr / sqrt(P)``. The reference code uses 0.99, the BERT runs 0.93; at
@@ -52,7 +52,7 @@ Non-finite gradients: a gradient with a NaN or Inf, or one whose square would ov
 second moment (``|g| >= sqrt(max)`` of the dtype), makes the step fail on every rank. With
 ``on_nonfinite='skip'`` (default, like AMP's grad scaler) every rank skips it, logs it
 (logger ``slamb_comm``) with the ranks and tensor names, and counts it in
-:attr:`Slamb.skipped_steps`; with ``'raise'`` every rank raises
+:attr:`SlambRule.skipped_steps`; with ``'raise'`` every rank raises
 :class:`~slamb_comm.errors.NonFiniteError`. Either way nothing changes.
 """
 
@@ -63,15 +63,16 @@ import numpy as np
 
 from . import arrays as _arr
 from . import fused as _fused
+from .deprecation import renamed
 from .errors import ConfigError, LayoutError, NonFiniteError
 from .tensorwise import TensorwiseStep, _views  # _views: the one check of a step's inputs, shared
 
-__all__ = ["Slamb"]
+__all__ = ["SlambRule"]
 
 log = logging.getLogger("slamb_comm")
 
 
-class Slamb(TensorwiseStep):
+class SlambRule(TensorwiseStep):
     """SLAMB's optimizer state and update for the fused buffer described by ``comm.layout``.
 
     Args:
@@ -114,32 +115,14 @@ class Slamb(TensorwiseStep):
     ):
         self.comm = comm
         self.layout = comm.layout
-        if self.layout.dtype == np.float16:
-            raise ConfigError(
-                "Slamb keeps its state in the parameters' dtype, and float16 is too coarse for moments: "
-                "keep a float32 master copy of float16 parameters and build the communicator on it "
-                "(the Horovod adapter does this for float16 and bfloat16 parameters)"
-            )
-        b1, b2 = (float(b) for b in betas)
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ConfigError(f"betas must be in [0, 1), got {betas}")
-        if not (0.0 <= float(beta3) < 1.0):
-            raise ConfigError(f"beta3 must be in [0, 1), got {beta3}")
-        if int(sync_interval) < 1:
-            raise ConfigError(f"sync_interval must be >= 1, got {sync_interval}")
-        if not (0.0 < float(c_min) <= float(c_max)):
-            raise ConfigError(f"need 0 < c_min <= c_max, got {c_min}, {c_max}")
-        if float(eps) < 0:
-            raise ConfigError(f"eps must be >= 0, got {eps}")
-        self.betas = (b1, b2)
+        _check_options(comm.layout, betas, beta3, sync_interval, c_min, c_max, eps, on_nonfinite)
+        self.betas = tuple(float(b) for b in betas)
         self.eps = float(eps)
         self.beta3 = float(beta3)
         self.sync_interval = int(sync_interval)
         self.c_min, self.c_max = float(c_min), float(c_max)
         self.lr = self.per_tensor(lr, "lr")
         self.weight_decay = self.per_tensor(weight_decay, "weight_decay")
-        if on_nonfinite not in ("skip", "raise"):
-            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite values (on every rank alike)
         if check_options:
@@ -409,3 +392,30 @@ def _namespace_of(x):
     for v in x:
         return _arr.namespace(_arr.as_array(v))
     return None
+
+
+def _check_options(layout, betas, beta3, sync_interval, c_min, c_max, eps, on_nonfinite):
+    """ConfigError naming the first option of :class:`SlambRule` out of its range."""
+    if layout.dtype == np.float16:
+        raise ConfigError(
+            "SlambRule keeps its state in the parameters' dtype, and float16 is too coarse for moments: "
+            "keep a float32 master copy of float16 parameters and build the communicator on it "
+            "(the Horovod adapter does this for float16 and bfloat16 parameters)"
+        )
+    b1, b2 = (float(b) for b in betas)
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ConfigError(f"betas must be in [0, 1), got {betas}")
+    if not (0.0 <= float(beta3) < 1.0):
+        raise ConfigError(f"beta3 must be in [0, 1), got {beta3}")
+    if int(sync_interval) < 1:
+        raise ConfigError(f"sync_interval must be >= 1, got {sync_interval}")
+    if not (0.0 < float(c_min) <= float(c_max)):
+        raise ConfigError(f"need 0 < c_min <= c_max, got {c_min}, {c_max}")
+    if float(eps) < 0:
+        raise ConfigError(f"eps must be >= 0, got {eps}")
+    if on_nonfinite not in ("skip", "raise"):
+        raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+
+
+# the name before the rename: the core's rule and the torch optimizer no longer differ by case alone
+__getattr__ = renamed(__name__, Slamb=SlambRule)

@@ -58,7 +58,20 @@ class Traffic:
     decode_s: float = 0.0
 
     def __add__(self, other):
-        return Traffic(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return Traffic(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other):
+        return Traffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    @classmethod
+    def one_call(cls, *, payload_bytes, wire_bytes, dense_bytes, size, elements_sent, elements_total, encode_s=0.0,
+                 comm_s=0.0, decode_s=0.0):
+        """One exchange's record: ``payload_bytes`` handed to the collectives and ``wire_bytes`` on
+        this rank's link, against a dense allreduce of ``dense_bytes`` over ``size`` ranks
+        (docs/algorithm.md section 4)."""
+        return cls(calls=1, payload_bytes=payload_bytes, wire_bytes=wire_bytes, dense_payload_bytes=dense_bytes,
+                   dense_wire_bytes=allreduce_wire(dense_bytes, size), elements_sent=elements_sent,
+                   elements_total=elements_total, encode_s=encode_s, comm_s=comm_s, decode_s=decode_s)
 
     @property
     def ratio(self):

@@ -1,15 +1,16 @@
 """SLAMB's step tensor by tensor (docs/algorithm.md section 1): the CPU's path, and the pieces API.
 
-:class:`TensorwiseStep` is the part of :class:`~slamb_comm.slamb.Slamb` that works one tensor at a
+:class:`TensorwiseStep` is the part of :class:`~slamb_comm.slamb.SlambRule` that works one tensor at a
 time, in cache-sized blocks on the CPU: :meth:`~TensorwiseStep.begin_step`,
 :meth:`~TensorwiseStep.accumulate` (per tensor, as its gradient arrives: the adapters' hooks),
-:meth:`~TensorwiseStep.exchange`, :meth:`~TensorwiseStep.apply`. :meth:`Slamb.step` runs them in
+:meth:`~TensorwiseStep.exchange`, :meth:`~TensorwiseStep.apply`. :meth:`SlambRule.step` runs them in
 turn for lists of arrays and on the CPU; on a device, fused buffers take
 :mod:`slamb_comm.fused` instead. The state (``m``, ``v``, the freshness), the options and the
-checkpoint format are :class:`~slamb_comm.slamb.Slamb`'s.
+checkpoint format are :class:`~slamb_comm.slamb.SlambRule`'s.
 """
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,14 +19,30 @@ from .codecs import per_tensor
 from .errors import LayoutError, NonFiniteError
 from .device import Addresses
 from .masks import BLOCK
-from .stats import Traffic, allreduce_wire
 
-__all__ = ["TensorwiseStep"]
+__all__ = ["TensorwiseStep", "trust_ratio"]
+
+
+class _TensorViews(NamedTuple):
+    """One tensor's arrays during its commit: parameters, gradient, moments, freshness (None
+    where derived), the direction ``w`` and a block of scratch, with M_t's picks and the blocks."""
+
+    i: int
+    x: Any
+    g: Any
+    m: Any
+    v: Any
+    f: Any
+    w: Any
+    tmp: Any
+    picks: Any
+    ranges: Any
+    everything: bool
 
 
 class TensorwiseStep:
-    """The tensor-by-tensor step of :class:`~slamb_comm.slamb.Slamb` (a base class: it uses the
-    state and options that ``Slamb`` holds)."""
+    """The tensor-by-tensor step of :class:`~slamb_comm.slamb.SlambRule` (a base class: it uses the
+    state and options that ``SlambRule`` holds)."""
 
     # ------------------------------------------------------------------ pieces
     def begin_step(self):
@@ -220,11 +237,7 @@ class TensorwiseStep:
         except Exception:
             self.abort_step()
             raise
-        payload = buf.size * buf.dtype.itemsize
-        dense = lay.total * lay.dtype.itemsize
-        comm.stats.record("masked_allreduce", Traffic(
-            1, payload, allreduce_wire(payload, comm.size), dense, allreduce_wire(dense, comm.size),
-            buf.size - 1, lay.total))
+        comm.record_masked_allreduce(buf.size * buf.dtype.itemsize, buf.size - 1)
 
     def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None, skip=()):
         """Finish the open step on parameters ``x`` (in place) with the gradients ``grads``.
@@ -247,24 +260,10 @@ class TensorwiseStep:
         lr = self.lr if lr is None else self.per_tensor(lr, "lr")
         wd = self.weight_decay if weight_decay is None else self.per_tensor(weight_decay, "weight_decay")
         xv, gv = _views(lay, x), _views(lay, grads)
-        if means is None:
-            if self._payload is None:
-                raise RuntimeError("no exchanged values: call exchange() or pass means=")
-            buf = self._payload
-            means = [buf[s : s + c] for s, c in zip(self._starts, self._counts)]
-            scale = 1.0 / comm.size
-        else:
-            if len(means) != len(lay):
-                raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
-            means = [_arr.as_array(a).reshape(-1) for a in means]
-            scale = 1.0
-        P = comm.size
-        b1, b2 = self.betas
-        F = None
-        if self.derived:
-            F = [self.beta3 ** s for s in comm.mask.staleness(t)]
+        means, scale = self._means(means)
+        F = [self.beta3 ** s for s in comm.mask.staleness(t)] if self.derived else None
         xp = None
-        sync = (t - 1) % self.sync_interval == 0 and P > 1
+        sync = (t - 1) % self.sync_interval == 0 and comm.size > 1
         bad = False  # whether some updated parameter is not finite, from the update's own pass on sync steps
         for i in range(len(lay)):
             n = lay.sizes[i]
@@ -280,9 +279,7 @@ class TensorwiseStep:
                 raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
                                   f"expected {n} {lay.dtype.name}")
             if i in skip:
-                if self.derived and i not in self._fx:  # keep f as it was after step t - 1
-                    with _arr.device_scope(xi):
-                        self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
+                self._keep_skipped(xp, i, xi)
                 if written is not None:
                     written(i)
                 continue
@@ -297,6 +294,26 @@ class TensorwiseStep:
             comm.sync(x, written=written, bad=bad)
         return x
 
+    def _means(self, means):
+        """Per tensor, the summed (after :meth:`exchange`) or averaged (the caller's ``means``)
+        payload values of M_t, and the scale that makes them means."""
+        lay = self.layout
+        if means is None:
+            if self._payload is None:
+                raise RuntimeError("no exchanged values: call exchange() or pass means=")
+            buf = self._payload
+            return [buf[s : s + c] for s, c in zip(self._starts, self._counts)], 1.0 / self.comm.size
+        if len(means) != len(lay):
+            raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
+        return [_arr.as_array(a).reshape(-1) for a in means], 1.0
+
+    def _keep_skipped(self, xp, i, like):
+        """Tensor ``i`` had no gradient on any rank: with derived freshness, store its f as it
+        was after step t - 1 (it leaves the mask's schedule from now on)."""
+        if self.derived and i not in self._fx:
+            with _arr.device_scope(like):
+                self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
+
     def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F, check=False):
         """Commit tensor i's moments and update its parameters, in two blocked passes.
 
@@ -307,29 +324,39 @@ class TensorwiseStep:
         (its squared norm, from the update's pass)."""
         lay = self.layout
         o, n = lay.offsets[i], lay.sizes[i]
-        dtype = lay.dtype
-        dt = dtype.type
-        m, v = self.m[o : o + n], self.v[o : o + n]
-        f = self._fx.get(i) if self.derived else self._f[o : o + n]
-        b1, b2 = self.betas
         picks = self.picks(i, xp)
-        everything = picks.kind == "all"
         ranges = picks.ranges(self._limit(xp))
-        w = self._buf(xp, "u", n, dtype)
         block = max(r[1] - r[0] for r in ranges)
-        tmp_all = self._buf(xp, "tmp", block, dtype)
-        wide = np.promote_types(mean.dtype, dtype)
+        tv = _TensorViews(i=i, x=x, g=g, m=self.m[o : o + n], v=self.v[o : o + n],
+                          f=self._fx.get(i) if self.derived else self._f[o : o + n],
+                          w=self._buf(xp, "u", n, lay.dtype), tmp=self._buf(xp, "tmp", block, lay.dtype),
+                          picks=picks, ranges=ranges, everything=picks.kind == "all")
+        b1, b2 = self.betas
         s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        xx, ww, xs, ws = self._moments_pass(xp, tv, mean, scale, t, wd / s_u)
+        s2 = s_u * s_u
+        phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
+        # x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
+        rate_s, rate_a = lr * s_u * phi_s, lr * s_u / math.sqrt(self.comm.size) * phi_a
+        return self._update_pass(xp, tv, t, rate_s, rate_a, F, check)
+
+    def _moments_pass(self, xp, tv, mean, scale, t, wd_w):
+        """Pass 1 over tensor ``tv``: the moments (in place: the exchange succeeded), M_t's means,
+        the freshness, the direction w (weight decay ``wd_w`` on x) and the squared norms
+        ``(||x||^2, ||w||^2, ||x_S||^2, ||w_S||^2)`` (host floats on the CPU, 0-d arrays on a GPU)."""
+        dtype = self.layout.dtype
+        dt = dtype.type
+        b1, b2 = self.betas
+        m, v, g, x, w, f, picks = tv.m, tv.v, tv.g, tv.x, tv.w, tv.f, tv.picks
+        wide = np.promote_types(mean.dtype, dtype)
         c_b1, c_1b1, c_b2, c_1b2 = dt(b1), dt(1.0 - b1), dt(b2), dt(1.0 - b2)
-        c_eps, c_wd = dt(self.eps * math.sqrt(1.0 - b2**t)), dt(wd / s_u)
-        c_b3 = dt(self.beta3)
-        mul, add, sqrt, divide = xp.multiply, xp.add, xp.sqrt, xp.divide
+        c_eps, c_wd, c_b3 = dt(self.eps * math.sqrt(1.0 - b2**t)), dt(wd_w), dt(self.beta3)
+        mul = xp.multiply
         xx = ww = xs = ws = 0.0
-        # Pass 1: moments (in place: the exchange succeeded), M_t's means, freshness, w, norms.
-        for r in ranges:
+        for r in tv.ranges:
             lo, hi = r[0], r[1]
             mb, vb, gb, xb, wb = m[lo:hi], v[lo:hi], g[lo:hi], x[lo:hi], w[lo:hi]
-            tmp = tmp_all[: hi - lo]
+            tmp = tv.tmp[: hi - lo]
             mul(gb, c_1b1, out=tmp)
             mb *= c_b1
             mb += tmp
@@ -343,50 +370,48 @@ class TensorwiseStep:
                 if scale != 1.0:
                     vals *= vals.dtype.type(scale)
                 picks.put(m, r, vals)
-            if f is not None and not everything:
+            if f is not None and not tv.everything:
                 f[lo:hi] *= c_b3
                 picks.put(f, r, 1)
-            sqrt(vb, out=wb)
+            xp.sqrt(vb, out=wb)
             wb += c_eps
-            divide(mb, wb, out=wb)
-            if wd:
+            xp.divide(mb, wb, out=wb)
+            if c_wd:
                 mul(xb, c_wd, out=tmp)
-                add(wb, tmp, out=wb)
+                xp.add(wb, tmp, out=wb)
             xx = xx + _sumsq(xp, xb)
             ww = ww + _sumsq(xp, wb)
-            if not everything and b > a:
+            if not tv.everything and b > a:
                 xs = xs + _sumsq(xp, picks.take(x, r, self._buf(xp, "ta", b - a, dtype)))
                 ws = ws + _sumsq(xp, picks.take(w, r, self._buf(xp, "tb", b - a, dtype)))
-        if everything:
-            xs, ws = xx, ww
-        s2 = s_u * s_u
-        phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
-        # Pass 2: x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
-        P = self.comm.size
-        rate_s, rate_a = lr * s_u * phi_s, lr * s_u / math.sqrt(P) * phi_a
-        mask = self.comm.mask
-        moving = f is None and not everything and not mask.settled(t)  # just after a ratio change
-        if everything:
+        return (xx, ww, xx, ww) if tv.everything else (xx, ww, xs, ws)
+
+    def _update_pass(self, xp, tv, t, rate_s, rate_a, F, check):
+        """Pass 2 over tensor ``tv``: ``x -= (rate_S f + rate_A (1 - f)) w``, with the freshness
+        f stored, derived from the mask's schedule (a table of C coefficients, ``F``), or from
+        two masks just after a ratio change. With ``check``: whether the updated x is finite."""
+        dtype = self.layout.dtype
+        mul, w, f, picks, mask = xp.multiply, tv.w, tv.f, tv.picks, self.comm.mask
+        moving = f is None and not tv.everything and not mask.settled(t)  # just after a ratio change
+        if tv.everything:
             coef = _scalar(xp, rate_s, dtype)
-        elif moving:  # derived freshness from two masks: built per range (a few steps per change)
-            pass
-        elif f is None:  # derived freshness: a table of C coefficients, one per chunk
+        elif f is None and not moving:  # derived freshness: a table of C coefficients, one per chunk
             if xp is np:
                 table = np.array([rate_s * q + rate_a * (1.0 - q) for q in F], dtype)
             else:
                 Fd = xp.asarray(np.asarray(F, np.float64))
                 table = (rate_s * Fd + rate_a * (1.0 - Fd)).astype(dtype)
             table = xp.concatenate((table, table))
-        else:
+        elif f is not None:
             cs, ca = _scalar(xp, rate_s, dtype), _scalar(xp, rate_a, dtype)
         finite = True
-        for r in ranges:
+        for r in tv.ranges:
             lo, hi = r[0], r[1]
-            tmp = tmp_all[: hi - lo]
-            if everything:
+            tmp = tv.tmp[: hi - lo]
+            if tv.everything:
                 mul(w[lo:hi], coef, out=tmp)
-            elif moving:
-                fr = mask.freshness(i, t, self.beta3, lo, hi, xp)
+            elif moving:  # derived freshness from two masks: built per range (a few steps per change)
+                fr = mask.freshness(tv.i, t, self.beta3, lo, hi, xp)
                 fr *= rate_s - rate_a
                 fr += rate_a
                 mul(fr.astype(dtype), w[lo:hi], out=tmp)
@@ -396,11 +421,11 @@ class TensorwiseStep:
                 fb = f[lo:hi]
                 tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
                 mul(fb, cs, out=tmp)
-                xp.subtract(dt(1), fb, out=tmp2)
+                xp.subtract(dtype.type(1), fb, out=tmp2)
                 tmp2 *= ca
                 tmp += tmp2
                 tmp *= w[lo:hi]
-            xb = x[lo:hi]
+            xb = tv.x[lo:hi]
             xb -= tmp
             if check:
                 sq = _sumsq(xp, xb)
@@ -411,22 +436,21 @@ class TensorwiseStep:
         """``(phi_S, phi_A)`` from the four squared norms: host floats on the CPU, 0-d arrays
         on a GPU (no host read)."""
         xx, uu, xs, us = sums
-        if xp is np:
-            xa, ua = max(xx - xs, 0.0), max(uu - us, 0.0)
-            return self._trust(math.sqrt(xs), math.sqrt(us)), self._trust(math.sqrt(xa), math.sqrt(ua))
-        xa, ua = xp.maximum(xx - xs, 0.0), xp.maximum(uu - us, 0.0)
-        return self._trust_xp(xp, xp.sqrt(xs), xp.sqrt(us)), self._trust_xp(xp, xp.sqrt(xa), xp.sqrt(ua))
+        xa, ua = (max(xx - xs, 0.0), max(uu - us, 0.0)) if xp is np else (xp.maximum(xx - xs, 0.0),
+                                                                           xp.maximum(uu - us, 0.0))
+        sqrt = math.sqrt if xp is np else xp.sqrt
+        return (trust_ratio(sqrt(xs), sqrt(us), self.c_min, self.c_max, xp),
+                trust_ratio(sqrt(xa), sqrt(ua), self.c_min, self.c_max, xp))
 
-    def _trust(self, xn, un):
-        """``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0."""
-        if xn > 0 and un > 0:
-            return min(max(xn / un, self.c_min), self.c_max)
-        return 1.0
 
-    def _trust_xp(self, xp, xn, un):
-        ok = (xn > 0) & (un > 0)
-        ratio = xp.clip(xn / xp.where(ok, un, 1.0), self.c_min, self.c_max)
-        return xp.where(ok, ratio, 1.0)
+def trust_ratio(xn, un, c_min, c_max, xp=np):
+    """A layer's trust ratio ``clamp(||x|| / ||u||, c_min, c_max)``, 1 where either norm is 0
+    (SLAMB's phi_S and phi_A, 1-bit LAMB's coefficient; ``slamb_trust_ratio`` in the kernels).
+    Host floats with ``xp`` NumPy, else 0-d device arrays (no host read)."""
+    if xp is np:
+        return min(max(xn / un, c_min), c_max) if xn > 0 and un > 0 else 1.0
+    ok = (xn > 0) & (un > 0)
+    return xp.where(ok, xp.clip(xn / xp.where(ok, un, 1.0), c_min, c_max), 1.0)
 
 
 def _starts(counts):

@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 
 import numpy as np
 
@@ -255,15 +256,21 @@ class HostKernel:
         cargs, const = self.bind(args, device_array)
         before = [(p, a, a.copy()) for p, a in const]
         dims = self.library._dims
-        dims["blockDim"].x, dims["blockDim"].y, dims["blockDim"].z = block
-        dims["gridDim"].x, dims["gridDim"].y, dims["gridDim"].z = grid
-        dims["blockIdx"].y = dims["blockIdx"].z = 0
-        for b in range(grid[0]):
-            dims["blockIdx"].x = b
-            self._fn(*cargs)
+        # the library's grid variables and shared arrays are process-wide: ranks that are
+        # threads of one process (ThreadRanks) run one grid at a time, as one GPU's stream would
+        with _ONE_GRID_AT_A_TIME:
+            dims["blockDim"].x, dims["blockDim"].y, dims["blockDim"].z = block
+            dims["gridDim"].x, dims["gridDim"].y, dims["gridDim"].z = grid
+            dims["blockIdx"].y = dims["blockIdx"].z = 0
+            for b in range(grid[0]):
+                dims["blockIdx"].x = b
+                self._fn(*cargs)
         for p, a, old in before:
             if a.tobytes() != old.tobytes():
                 raise RuntimeError(f"kernel {self.name} wrote argument {p.index} ({p.decl}), a const pointer")
+
+
+_ONE_GRID_AT_A_TIME = threading.Lock()
 
 
 def _dims(d):

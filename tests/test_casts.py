@@ -18,7 +18,7 @@ import slamb_comm as sc
 import strict_cupy
 from slamb_comm import arrays as A
 from slamb_comm import communicator as C
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 from slamb_comm.transports import LocalTransport
 
 U = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
@@ -293,7 +293,7 @@ def _run_core(mask, transport, scale):
     comm.masked_allreduce(out, 1)
     flat = np.concatenate([a.ravel() for a in x])
     comm.masked_allreduce(flat, 2)
-    opt = Slamb(sc.Communicator(transport(), x, ratio=0.1, mask=mask, value_dtype="float16", seed=9,
+    opt = SlambRule(sc.Communicator(transport(), x, ratio=0.1, mask=mask, value_dtype="float16", seed=9,
                                 dense_threshold=100), lr=0.01, weight_decay=0.01)
     p = [a.copy() for a in x]
     for t in range(1, 5):

@@ -15,11 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import os, sys, numpy as np, slamb_comm as sc
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 mode = sys.argv[1]
 x = [np.ones((100, 100), np.float32)]
 comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1)
-opt = Slamb(comm, lr=0.01)
+opt = SlambRule(comm, lr=0.01)
 for t in range(1, 10000):
     if t == 3 and comm.rank == 1:
         if mode == "raise":
@@ -119,11 +119,11 @@ import numpy as np, strict_cupy
 strict_cupy.install()  # the CuPy double: its NCCL runs over MPI, and blocks like NCCL would
 import cupy
 import slamb_comm as sc
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 transport = sc.NCCLTransport()
 x = [cupy.ones((100, 100), np.float32)]
 comm = sc.Communicator(transport, x, ratio=0.1)
-opt = Slamb(comm, lr=0.01)
+opt = SlambRule(comm, lr=0.01)
 for t in range(1, 10000):
     if t == 3 and comm.rank == 1:
         raise RuntimeError("failing on purpose")

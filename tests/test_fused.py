@@ -27,7 +27,7 @@ import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250), (7,), (90, 110)]
 
@@ -41,7 +41,7 @@ def make(shapes, ratio=0.1, dense_threshold=2000, transport=None, dtype=np.float
     lay = sc.Layout(shapes, dtype, dense_threshold=dense_threshold)
     comm = sc.Communicator(transport or sc.LocalTransport(), lay, ratio=ratio, seed=3,
                            value_dtype=kw.pop("value_dtype", None))
-    return Slamb(comm, **{"lr": 0.02, "weight_decay": 0.01, "beta3": 0.9, "sync_interval": 4, **kw})
+    return SlambRule(comm, **{"lr": 0.02, "weight_decay": 0.01, "beta3": 0.9, "sync_interval": 4, **kw})
 
 
 def run(xp, shapes, steps=13, form="fused", schedule=None, **kw):

@@ -1,17 +1,17 @@
-"""Single-process checks of the Slamb rule's options and its refusal of unsafe set-ups."""
+"""Single-process checks of the SlambRule rule's options and its refusal of unsafe set-ups."""
 
 import numpy as np
 import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 
 def test_float16_parameters_need_a_float32_master_copy():
     x = [np.zeros((100, 100), np.float16)]
     with pytest.raises(sc.ConfigError, match="float32 master copy"):
-        Slamb(sc.Communicator(None, x))
+        SlambRule(sc.Communicator(None, x))
 
 
 @pytest.mark.parametrize("kw", [dict(betas=(1.0, 0.999)), dict(beta3=1.0), dict(sync_interval=0),
@@ -20,12 +20,12 @@ def test_float16_parameters_need_a_float32_master_copy():
 def test_bad_options_raise_config_error(kw):
     x = [np.zeros((100, 100), np.float32)]
     with pytest.raises(sc.ConfigError):
-        Slamb(sc.Communicator(None, x), **kw)
+        SlambRule(sc.Communicator(None, x), **kw)
 
 
 def test_skipped_step_leaves_state_untouched_in_one_process():
     x = [np.ones((100, 100), np.float32)]
-    opt = Slamb(sc.Communicator(None, x, ratio=0.1), lr=0.01)
+    opt = SlambRule(sc.Communicator(None, x, ratio=0.1), lr=0.01)
     opt.step(x, [np.ones((100, 100), np.float32)])
     before = opt.state_dict(), x[0].copy()
     g = np.ones((100, 100), np.float32)
@@ -46,7 +46,7 @@ def test_a_step_is_skipped_where_a_square_overflows_not_where_a_sum_of_squares_d
     with strict_cupy.install() as cp:
         xp = cp if device else np
         x = xp.asarray(np.ones(20000, np.float32))
-        opt = Slamb(sc.Communicator(None, [np.ones((100, 200), np.float32)], ratio=0.1, seed=1), lr=0.01)
+        opt = SlambRule(sc.Communicator(None, [np.ones((100, 200), np.float32)], ratio=0.1, seed=1), lr=0.01)
         with np.errstate(over="ignore"):  # the CPU's check squares in float32
             opt.step(x, xp.asarray(np.full(20000, 1e18, np.float32)))  # each square 1e36 < 3.4e38; their sum is not
             assert opt.skipped_steps == 0 and opt.t == 1 and np.isfinite(sc.arrays.to_host(opt.v)).all()
@@ -60,7 +60,7 @@ def test_derived_freshness_is_the_simulated_one():
     ``f = b3 f; f[M_t] = 1`` simulated from the masks themselves (docs/algorithm.md section 1, step 4)."""
     x = [np.ones((40, 300), np.float32), np.ones(30, np.float32), np.ones((70, 150), np.float32)]
     comm = sc.Communicator(None, x, ratio=0.3, seed=8, dense_threshold=100)
-    opt = Slamb(comm, lr=0.01, beta3=0.8)
+    opt = SlambRule(comm, lr=0.01, beta3=0.8)
     assert opt.derived and opt._f is None
     f = np.ones(comm.layout.total)
     for t in range(1, 12):
@@ -93,7 +93,7 @@ def test_a_steps_scratch_is_bounded_by_the_largest_tensor():
     x = [np.random.default_rng(i).standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)]
     g = [np.full(s, 0.01, np.float32) for s in shapes]
     comm = sc.Communicator(None, x, ratio=0.1, seed=1)
-    opt = Slamb(comm, lr=0.01, weight_decay=0.01)
+    opt = SlambRule(comm, lr=0.01, weight_decay=0.01)
     opt.step(x, g)  # the state (m, v) and the reusable scratch are made here
     tracemalloc.start()
     opt.step(x, g)
@@ -102,3 +102,17 @@ def test_a_steps_scratch_is_bounded_by_the_largest_tensor():
     n, largest = comm.layout.total, 1024 * 512
     payload = 4 * (0.1 * n + 8 * 512)
     assert peak < 0.25 * 4 * largest + 2 * payload, (peak, largest, payload)  # the model is 8x the largest tensor
+
+
+def test_the_old_names_of_the_core_rules_still_work_with_a_warning():
+    """``Slamb`` and ``OneBitLamb`` (named as the torch optimizers but for case) are the
+    deprecated names of ``SlambRule`` and ``OneBitLambRule``."""
+    import slamb_comm.onebit_lamb as onebit_lamb
+    import slamb_comm.slamb as slamb
+
+    with pytest.warns(DeprecationWarning, match="slamb_comm.slamb.Slamb is now SlambRule"):
+        assert slamb.Slamb is SlambRule
+    with pytest.warns(DeprecationWarning, match="slamb_comm.onebit_lamb.OneBitLamb is now OneBitLambRule"):
+        assert onebit_lamb.OneBitLamb is onebit_lamb.OneBitLambRule
+    with pytest.raises(AttributeError):
+        slamb.NoSuchRule

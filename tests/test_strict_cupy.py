@@ -20,7 +20,7 @@ import slamb_comm as sc
 import slamb_comm.kernels as K
 import strict_cupy
 from slamb_comm.codecs import TopKWire, topk_indices, topk_indices_reference
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 
 REAL = os.environ.get("SLAMB_COMM_REAL_CUPY") == "1"
 
@@ -231,7 +231,7 @@ def test_the_counts_of_a_step_do_not_depend_on_the_sizes(strict):
         shapes = [shape] * 6
         x = arrays(cp, 0, shapes)
         comm = sc.Communicator(None, x, ratio=0.1, seed=1, dense_threshold=100)
-        opt = Slamb(comm, lr=0.01, weight_decay=0.01)
+        opt = SlambRule(comm, lr=0.01, weight_decay=0.01)
         g = arrays(cp, 1, shapes)
         opt.step(x, g)
         comm.sparse_allgather(arrays(cp, 2, shapes))
@@ -557,7 +557,7 @@ def run_slamb(xp, mask, vdt, block=1, steps=6, shapes=SHAPES, schedule=None):
     x = arrays(xp, 0, shapes)
     comm = sc.Communicator(None, x, ratio=0.1, mask=mask, value_dtype=vdt, seed=5, dense_threshold=100,
                            block=block)
-    opt = Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
+    opt = SlambRule(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
     for t in range(1, steps + 1):
         if schedule and t in schedule:
             opt.set_ratio(schedule[t])
@@ -644,7 +644,7 @@ def test_defect6_state_is_made_on_the_arrays_device(strict):
         x = arrays(cp, 0)
         g = arrays(cp, 1)
     comm = sc.Communicator(None, x, ratio=0.1, seed=2, dense_threshold=100)
-    opt = Slamb(comm, lr=0.01)
+    opt = SlambRule(comm, lr=0.01)
     assert strict_cupy.Device.current == 0
     opt.step(x, g)  # the double raises on any kernel with a device-1 array while device 0 is current
     comm.sparse_allgather(g)
@@ -657,7 +657,7 @@ def test_defect8_a_restored_gpu_run_stays_on_the_gpu_and_resumes_exactly(cp, mas
     def make():
         x = arrays(cp, 0)
         comm = sc.Communicator(None, x, ratio=0.1, mask=mask, seed=4, dense_threshold=100)
-        return x, comm, Slamb(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
+        return x, comm, SlambRule(comm, lr=0.01, weight_decay=0.01, beta3=0.9)
 
     x1, c1, o1 = make()
     for t in range(1, 6):
@@ -710,7 +710,7 @@ def test_slamb_step_reads_the_host_at_most_twice_whatever_the_tensor_count(stric
     shapes = [(64, 160)] * tensors
     x = arrays(cp, 0, shapes)
     comm = sc.Communicator(None, x, ratio=0.1, mask=mask, seed=1, dense_threshold=100)
-    opt = Slamb(comm, lr=0.01, weight_decay=0.01)
+    opt = SlambRule(comm, lr=0.01, weight_decay=0.01)
     counts = [_count(lambda t=t: opt.step(x, arrays(cp, 10 + t, shapes))) for t in range(1, 4)]
     # one read: the exchange's status word; the topk mask reads its union's sizes once more
     assert counts == [1 if mask != "topk" else 2] * 3, (counts, dict(strict_cupy.syncs))

@@ -7,12 +7,16 @@ re-exports; each concern has its own module:
 module                     what it holds
 =========================  ===================================================================
 ``slamb``                  :class:`SLAMB`, the torch optimizer (alone: P = 1; ratio 1: LAMB)
+``options``                SLAMB's options: a group's checks, the records its buckets are keyed by
 ``onebit_lamb``            :class:`OneBitLAMB`, 1-bit LAMB as a torch optimizer
 ``distributed``            :func:`DistributedOptimizer` (torchrun without DDP) and ``wrap``,
                            which builds a distributed optimizer on any collectives
 ``distributed_slamb``      the distributed SLAMB's hooks, exchange and step
 ``distributed_onebit``     the distributed 1-bit LAMB's agreement and step
 ``distributed_topk``       top-k gradient exchange with error feedback under any optimizer
+``hook_exchange``          the distributed SLAMB's exchange tensor by tensor, from the hooks
+``flat_exchange``          its exchange of flat buckets on a device, from DDP's bucket hooks
+``flat``                   a bucket's parameters as one flat buffer, gradients read in place
 ``contract``               Horovod's optimizer contract, shared by the three above
 ``ddp_hooks``              :func:`slamb_hook` / :class:`SlambHookState`, :func:`topk_hook` /
                            :class:`TopKHookState` (DDP communication hooks)

@@ -5,7 +5,7 @@
   process group or a given one, so the core runs inside any ``torchrun`` job.
 * :class:`TorchCollectives` -- the few named, asynchronous collectives the distributed
   optimizers of this package are written against; Horovod's counterpart is
-  ``slamb_comm.adapters.horovod._HorovodCollectives``.
+  ``slamb_comm.adapters.horovod.transport.HorovodCollectives``.
 """
 
 import atexit
@@ -173,7 +173,7 @@ class TorchTransport:
 
 class TorchCollectives:
     """The few collectives the distributed optimizers use, on a torch.distributed process group.
-    Horovod's counterpart is ``slamb_comm.adapters.horovod._HorovodCollectives``; both offer:
+    Horovod's counterpart is ``slamb_comm.adapters.horovod.transport.HorovodCollectives``; both offer:
     ``member``, ``size``, ``rank``, ``device`` (where flag tensors live), ``allreduce_async`` /
     ``wait`` (in place; Sum, or Average with pre- and post-scaling), ``allreduce`` (Sum, in
     place), ``allgather`` (concatenated along dim 0), ``transport()`` (for the core; None outside

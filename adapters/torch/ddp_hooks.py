@@ -19,6 +19,7 @@ from slamb_comm.errors import NonFiniteError
 from slamb_comm.stats import Traffic
 
 from .collectives import TorchTransport
+from .distributed_slamb import DistributedSlamb
 from .distributed_topk import amp_scale, loss_scaled
 from .tensors import as_compute, cuda_scope, np_dtype, state_dtype, tensor_of
 
@@ -72,12 +73,12 @@ class SlambHookState:
     of its own: checkpoint ``opt.state_dict()``).
     """
 
-    __slots__ = ("optimizer", "calls", "_unpickled")
+    __slots__ = ("optimizer", "calls", "unpickled")
 
     def __init__(self, optimizer=None):
         self.optimizer = None
         self.calls = 0
-        self._unpickled = False
+        self.unpickled = False  # made by pickle, without its optimizer
         if optimizer is not None:
             self.bind(optimizer)
 
@@ -85,7 +86,7 @@ class SlambHookState:
         """Give the state its ``DistributedOptimizer(SLAMB(...))`` (before the first backward pass);
         returns the optimizer. From then on the hook, not the parameters' gradient hooks, launches
         its exchange."""
-        if not hasattr(optimizer, "_launch"):
+        if not isinstance(optimizer, DistributedSlamb):
             raise TypeError("SlambHookState takes the DistributedOptimizer(SLAMB(...)) that you step, "
                             f"got {type(optimizer).__name__}"
                             + (" (wrap it: slamb_comm.adapters.torch.DistributedOptimizer(opt, named_parameters=...))"
@@ -95,9 +96,7 @@ class SlambHookState:
         if self.calls:
             raise RuntimeError("SlambHookState.bind() after DDP already called slamb_hook: bind before the first "
                                "backward pass")
-        optimizer._ddp = True  # the hook launches the exchange; the parameters' own hooks stand down
-        optimizer._coll.immediate = True  # DDP's buckets come in the same order on every rank
-        optimizer._slamb_hook_state = self  # its first step() checks that DDP called the hook
+        optimizer.attach_hook_state(self)  # the hook launches the exchange; its first step() checks DDP called it
         self.optimizer = optimizer
         return optimizer
 
@@ -107,7 +106,7 @@ class SlambHookState:
     def __setstate__(self, state):
         self.optimizer = None
         self.calls = 0
-        self._unpickled = True
+        self.unpickled = True
 
 
 def slamb_hook(state, bucket):
@@ -116,14 +115,14 @@ def slamb_hook(state, bucket):
     agreement follows at the end of the backward pass (see the distributed optimizer)."""
     opt = state.optimizer
     if opt is None:
-        if state._unpickled:
+        if state.unpickled:
             raise RuntimeError("this SlambHookState was unpickled without its optimizer; build a new one")
         raise RuntimeError("slamb_hook ran before its SlambHookState was bound to an optimizer: call "
                            "state.bind(slamb_comm.adapters.torch.DistributedOptimizer(SLAMB(...), "
                            "named_parameters=...)) before the first backward pass (Lightning: SlambDDPStrategy "
                            "binds it for you)")
     state.calls += 1
-    opt._ddp_bucket(bucket)  # the optimizer's own method: the hook is its DDP front end
+    opt.ddp_bucket(bucket)  # the optimizer's own method: the hook is its DDP front end
     return _done(bucket.buffer())
 
 
@@ -154,8 +153,8 @@ class TopKHookState:
     Pickling keeps the compression and the error buffers (host copies), not the process group.
     """
 
-    __slots__ = ("compression", "names", "process_group", "grad_scaler", "residuals", "calls", "_comms", "_warned",
-                 "_watch", "__weakref__")
+    __slots__ = ("compression", "names", "process_group", "grad_scaler", "residuals", "calls", "first_step_check",
+                 "_comms", "_warned", "__weakref__")
 
     def __init__(self, named_parameters, compression, process_group=None, grad_scaler=None):
         if not isinstance(compression, TopK):
@@ -168,7 +167,7 @@ class TopKHookState:
         self.residuals = {}  # parameter name -> its error buffer (a view into its bucket's, or a host copy)
         self._comms = {}
         self.calls = 0  # buckets the hook was handed
-        self._watch = _watch_first_step(self)
+        self.first_step_check = _watch_first_step(self)  # the optimizer step hook that checks DDP called the hook
 
     def step_traffic(self):
         """Bytes of the step just finished, summed over the buckets' exchanges (a
@@ -194,10 +193,22 @@ class TopKHookState:
         self.compression = state["compression"]
         self.names, self.process_group, self._comms = state["names"], None, {}
         self.grad_scaler, self._warned = None, False
-        self.calls, self._watch = 0, None
+        self.calls, self.first_step_check = 0, None
         self.load_state_dict(state["residuals"])
 
-    def _comm(self, params, dtype):
+    def skipped_without_scaler(self):
+        """A step was made NaN on every rank: once, if no GradScaler was given, say what a scaler's
+        halving does to the error buffers."""
+        if self.grad_scaler is None and not self._warned:
+            self._warned = True
+            _log.warning("slamb_comm: if an AMP GradScaler scales this loss, pass it to TopKHookState(..., "
+                         "grad_scaler=scaler): it halves its scale now, and the error buffers, made at the old "
+                         "scale, are otherwise carried over twice too large")
+
+    def communicator(self, params, dtype):
+        """The top-k communicator of a DDP bucket of ``params`` (built at its first exchange, with
+        the error buffers of its parameters kept so far; collective then, as DDP hands every rank
+        the same bucket at the same point), and the parameters' names."""
         names = tuple(self.names.get(id(p), f"param{i}") for i, p in enumerate(params))
         key = (names, str(dtype))
         comm = self._comms.get(key)
@@ -227,7 +238,7 @@ def topk_hook(state, bucket):
     state.calls += 1
     _drop_finished_watches()
     dt = state_dtype(buf.dtype)
-    comm, names = state._comm(params, dt)
+    comm, names = state.communicator(params, dt)
     grads = [_arr.as_array(as_compute(g, dt)) for g in bucket.gradients()]
     try:
         with cuda_scope(buf.device), loss_scaled(comm, amp_scale(state.grad_scaler)):
@@ -238,11 +249,7 @@ def topk_hook(state, bucket):
             fut.set_exception(err)
             return fut
         _log.warning("slamb_comm: top-k step made NaN on every rank (an AMP GradScaler skips it): %s", err)
-        if state.grad_scaler is None and not state._warned:
-            state._warned = True
-            _log.warning("slamb_comm: if an AMP GradScaler scales this loss, pass it to TopKHookState(..., "
-                         "grad_scaler=scaler): it halves its scale now, and the error buffers, made at the old "
-                         "scale, are otherwise carried over twice too large")
+        state.skipped_without_scaler()
         buf.fill_(float("nan"))
         return _done(buf)
     for g, m in zip(bucket.gradients(), mean):
@@ -294,7 +301,7 @@ def _watch_first_step(state):
         if st.calls == 0 and all(p.grad is None for p in params if id(p) in ids):
             return  # a step without a backward pass: nothing DDP could have exchanged yet
         retire()
-        st._watch = None
+        st.first_step_check = None
         if st.calls == 0:
             raise RuntimeError(HOOK_NEVER_CALLED.format(hook="topk_hook", state="TopKHookState"))
 

@@ -22,27 +22,41 @@ __all__ = ["wrap", "DistributedOptimizer"]
 
 def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=False, gradient_predivide_factor=1.0,
          grad_scaler=None, methods=None):
-    """The distributed optimizer around ``optimizer`` on the collectives ``coll``: a class built
-    with ``type(name, (optimizer.__class__,), ...)`` sharing the optimizer's ``param_groups``.
-    ``methods`` (name -> function of the chosen mixin's method of that name) wraps some of the
-    mixin's methods in the built class (Elastic Horovod's checks, :mod:`slamb_comm.adapters.horovod`)."""
+    """The distributed optimizer around ``optimizer`` on the collectives ``coll``: an instance of
+    ``type(name, (its step, mixin, optimizer.__class__), ...)`` (see :func:`_wrapped_step`), so
+    that it is an instance of the user's optimizer class, as Horovod builds its own; the mixin (:class:`~.distributed_slamb.DistributedSlamb`,
+    :class:`~.distributed_onebit.DistributedOneBit`, :class:`~.distributed_topk.DistributedTopK`)
+    is an ordinary subclass whose constructor takes what it needs, sharing the optimizer's
+    ``param_groups``. ``methods`` (name -> function of the mixin's method of that name) wraps some
+    of its methods in the built class (Elastic Horovod's checks, :mod:`slamb_comm.adapters.horovod`)."""
     slamb, onebit = isinstance(optimizer, SLAMB), isinstance(optimizer, OneBitLAMB)
     mixin = DistributedSlamb if slamb else DistributedOneBit if onebit else DistributedTopK
     if grad_scaler is not None and mixin is not DistributedTopK:
         raise ValueError(f"grad_scaler= is for the top-k exchange's error buffers; {type(optimizer).__name__} "
                          "exchanges the unscaled gradients by itself (pass no grad_scaler)")
-    extra = {"grad_scaler": grad_scaler} if mixin is DistributedTopK else {}
-    attrs = dict(mixin.__dict__)
-    for name, make in (methods or {}).items():
-        attrs[name] = make(mixin.__dict__[name])
-    if slamb:  # SLAMB's constructor reads it before building its buckets
-        attrs["_fused_default"] = optimizer._fused
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
+    extra = {"grad_scaler": grad_scaler} if mixin is DistributedTopK else {"fused": optimizer.fused} if slamb else {}
+    attrs = {"step": mixin.step}
+    attrs.update({name: make(getattr(mixin, name)) for name, make in (methods or {}).items()})
+    user_cls = optimizer.__class__
+    cls = type(user_cls.__name__, (_wrapped_step(mixin, user_cls), mixin, user_cls), attrs)
     dist_opt = cls(optimizer.param_groups, names, compression, backward_passes_per_step, coll, sum_op,
                    gradient_predivide_factor, **extra)
-    if (slamb or onebit) and any(e.rule.t > 0 for e in (optimizer._ensure_engines() if slamb else optimizer._engines)):
+    if (slamb or onebit) and optimizer.steps_taken() > 0:
         dist_opt.load_state_dict(optimizer.state_dict())  # keep what the optimizer had (e.g. a loaded checkpoint)
     return dist_opt
+
+
+def _wrapped_step(mixin, user_cls):
+    """The first base of the built class: its ``step`` is the wrapped optimizer's own. Horovod's
+    ``broadcast_optimizer_state`` creates a missing state with ``super(type(opt), opt).step()``,
+    which must not start this rank's collectives alone (as Horovod's own construction, a direct
+    subclass of the user's class, provides); the built class's own ``step`` is the distributed one.
+    It bears the user's class's name, as that direct base does under Horovod."""
+
+    def step(self, closure=None):
+        return super(mixin, self).step(closure)
+
+    return type(user_cls.__name__, (), {"step": step, "__doc__": f"{user_cls.__name__}'s own step"})
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,

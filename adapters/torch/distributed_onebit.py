@@ -10,13 +10,14 @@ import torch
 
 from slamb_comm.errors import ConfigError, PeerError
 
-from . import contract
+from .contract import STEP_AFTER_SYNC, ContractMethods
+from .onebit_lamb import OneBitLAMB
 from .params import run_closure
 
 __all__ = ["DistributedOneBit"]
 
 
-class DistributedOneBit(torch.optim.Optimizer):
+class DistributedOneBit(ContractMethods, OneBitLAMB):
     """Methods of the class :func:`DistributedOptimizer` builds around a :class:`OneBitLAMB`.
 
     ``synchronize()`` (or ``step()``) agrees on the step in one small allgather: whether some
@@ -34,41 +35,36 @@ class DistributedOneBit(torch.optim.Optimizer):
                  gradient_predivide_factor=1.0):
         if gradient_predivide_factor != 1.0:
             raise ValueError("OneBitLAMB averages gradients and momenta itself: gradient_predivide_factor must be 1")
+        self._names = names
         # A rank outside the process set optimises alone (P = 1), as Horovod's non-members do.
-        self._onebit_transport = coll.transport()
-        self._onebit_names = self._names = names
-        super(self.__class__, self).__init__(params)
-        contract.init_common(self, coll)
-        self.backward_passes_per_step = backward_passes_per_step
-        self._synchronized = False
-        self._should_synchronize = True
+        super().__init__(params, transport=coll.transport(), names=names)
+        self._contract = self._make_contract(coll, names, backward_passes_per_step, self._ready, self._contract_agrees,
+                                            self._reset, lambda: ())
         self._plan = None
-        contract.register_hooks(self)
+        self._contract.register_hooks([p for g in self.param_groups for p in g["params"] if p.requires_grad])
 
-    add_param_group = contract.add_param_group_before_wrapping
+    def _reset(self):
+        self._contract.reset_countdown()
 
-    set_backward_passes_per_step = contract.set_backward_passes_per_step
-    skip_synchronize = contract.skip_synchronize
+    def _ready(self, p):
+        self._contract.count_backward(p)
+        self._contract.synchronized = False  # a new backward pass
 
-    def _make_hook(self, p):
-        def hook(param):
-            contract.count_backward(self, p)
-            self._synchronized = False  # a new backward pass
-        return hook
-
-    _end_of_backward = contract.end_of_backward
+    def _contract_agrees(self):
+        self._contract.agree_step()
 
     def synchronize(self):
         """Agree on this step with every rank (one allgather of a few numbers per bucket); the
         exchange itself happens in ``step()``. Raises on every rank alike (nothing changes):
         LayoutError/ConfigError on a rank whose parameter or options changed, PeerError on the
         others; ConfigError if the ranks' options, lr or step counts differ."""
-        if not self._member:
-            self._synchronized = True
+        c = self._contract
+        if not c.member:
+            c.synchronized = True
             return
-        if not self._agreed:  # no backward pass ran here: agree now, as the others did at theirs
-            contract.agree_step(self)
-        self._agreed = False
+        if not c.agreed:  # no backward pass ran here: agree now, as the others did at theirs
+            c.agree_step()
+        c.agreed = False
         try:
             try:
                 problem, bad, have, prints = self._status()
@@ -76,10 +72,10 @@ class DistributedOneBit(torch.optim.Optimizer):
                 k = len(self._engines)
                 problem, bad, have, prints = err, False, [False] * k, [0.0] * k
             row = torch.tensor([float(problem is not None), float(bad)] + [float(h) for h in have] + prints,
-                               dtype=torch.float64, device=self._coll.device)
-            rows = self._coll.allgather(row, self._flag_name + ".onebit").reshape(self._coll.size, -1).tolist()
+                               dtype=torch.float64, device=c.coll.device)
+            rows = c.coll.allgather(row, c.flag_name + ".onebit").reshape(c.coll.size, -1).tolist()
         finally:
-            contract.reset_countdown(self)
+            c.reset_countdown()
         failed = [r for r, w in enumerate(rows) if w[0]]
         if problem is not None:
             raise problem
@@ -93,32 +89,35 @@ class DistributedOneBit(torch.optim.Optimizer):
             raise ConfigError(f"OneBitLAMB: rank(s) {differ} differ from rank 0 in the options, lr or step count of a "
                               "bucket; set them alike on every rank (nothing was changed)")
         self._plan = ([r for r, w in enumerate(rows) if w[1]], [any(w[2 + b] for w in rows) for b in range(k)])
-        self._synchronized = True
+        c.synchronized = True
 
     @torch.no_grad()
     def step(self, closure=None):
         """Agree (unless already synchronized), then exchange and update every bucket.
 
         Outside the process set: the single-process step (P = 1)."""
-        if not self._member:
-            return super(self.__class__, self).step(closure)
+        c = self._contract
+        if not c.member:
+            return super().step(closure)
         loss = run_closure(closure)
-        if self._should_synchronize and self._synchronized:
-            warnings.warn(contract.STEP_AFTER_SYNC)
-        if not self._synchronized:
+        if c.should_synchronize and c.synchronized:
+            warnings.warn(STEP_AFTER_SYNC)
+        if not c.synchronized:
             self.synchronize()
-        self._synchronized = False
+        c.synchronized = False
         plan, self._plan = self._plan, None
         self._apply(*plan)
         return loss
 
-    zero_grad = contract.zero_grad_when_idle
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``, while gradients are pending."""
+        self._contract.check_zero_grad(not self._contract.pending)
+        return super().zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict):
         """Forget any step in progress, then restore the state exactly (this rank's own error
         buffers; another rank's are reset to zero, with a warning)."""
-        self._synchronized = self._agreed = False
-        self._should_synchronize = True
+        self._contract.forget_step()
         self._plan = None
-        contract.reset_countdown(self)
-        super(self.__class__, self).load_state_dict(state_dict)
+        super().load_state_dict(state_dict)

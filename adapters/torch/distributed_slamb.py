@@ -9,28 +9,42 @@ Written against the collectives interface of :mod:`.collectives` (Horovod's in
 
 import itertools
 import logging
-import math
-import time
 import warnings
+from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from slamb_comm import arrays as _arr
-from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError, PeerError
-from slamb_comm.stats import Traffic, allreduce_wire
+from slamb_comm.errors import ConfigError, NonFiniteError, PeerError
 
-from . import contract, tensors
+from .contract import STEP_AFTER_SYNC, ContractMethods, GradientNotes, grad_norms, queue_callback
 from .flat_exchange import FlatExchange
+from .hook_exchange import HookExchange
 from .params import param_changed, params_changed, run_closure
-from .tensors import Grads, Params, cuda_scope, torch_dtype
+from .slamb import SLAMB
+from .tensors import Grads, Params, cuda_scope
 
 __all__ = ["DistributedSlamb"]
+
+
+class HookWords(NamedTuple):
+    """The words summed with the step's flag in hooks and deferred mode, over the ranks."""
+
+    rerate: int  # ranks whose groups ask for a new ratio (a schedule)
+    changed: int  # deferred mode: ranks that changed a gradient since the agreement
+
+
+class FlatWords(NamedTuple):
+    """The words summed with the step's flag in flat mode, over the ranks."""
+
+    rerate: int  # ranks whose groups ask for a new ratio
+    changed: int  # ranks with a parameter or a fixed option that changed since construction
+    unready: int  # ranks with a parameter without a dense gradient (the step goes tensor by tensor)
+    regrad: int  # ranks that changed a gradient since the exchange was packed (it is packed again)
 
 _log = logging.getLogger("slamb_comm")
 
 
-class DistributedSlamb(torch.optim.Optimizer):
+class DistributedSlamb(ContractMethods, SLAMB):
     """Methods of the class :func:`DistributedOptimizer` builds around a :class:`SLAMB`.
 
     A step has two collective points, the same on every rank:
@@ -62,38 +76,70 @@ class DistributedSlamb(torch.optim.Optimizer):
     """
 
     def __init__(self, params, names, compression, backward_passes_per_step, coll, sum_op=False,
-                 gradient_predivide_factor=1.0):
+                 gradient_predivide_factor=1.0, fused=None):
         # A rank outside the process set optimises alone (P = 1), as Horovod's non-members do.
-        self._slamb_transport = coll.transport()
-        self._slamb_names = self._names = names
-        self._slamb_defer_build = True
-        super(self.__class__, self).__init__(params)
-        contract.init_common(self, coll)
-        self.backward_passes_per_step = backward_passes_per_step
+        super().__init__(params, fused=fused, transport=coll.transport(), names=names, build=False)
+        self._names = names
+        self._where = {}
+        self._contract = self._make_contract(coll, names, backward_passes_per_step, self._ready, self._end_of_backward,
+                                             self._abandon, lambda: self._where)
         self.gradient_predivide_factor = gradient_predivide_factor
         self._options_agreed = False  # update options are checked before the first step (after a broadcast)
-        self._ddp = False  # True once a SlambHookState took this optimizer (DDP launches the exchange)
+        self._hook_state = None  # the SlambHookState bound to this optimizer: DDP launches the exchange
         self._ddp_groups = {}  # DDP bucket index -> its parameters, as DDP's hook last handed them
         self._build_engines()
         self._index_params()
-        self._synchronized = False
-        self._should_synchronize = True
         self._nonfinite = None  # the agreed NonFiniteError of this step, if some rank's gradient was not finite
+        self._words = HookWords(0, 0)  # the last flag's words, in hooks and deferred mode
         self._error = None  # an error of the end-of-backward agreement, raised at the next step()/synchronize()
         # hooks mode: the exchange starts in the gradient hooks; else from step(). Flat buckets
         # (SLAMB(fused=...)) exchange through the device kernels: from DDP's hooks, a group per DDP
         # bucket (self._flat_exchange), else from step()
         self._in_hooks = not self._flat_mode()
-        self._flat_exchange = FlatExchange(self._coll)
-        self._reference = {}  # parameter -> (gradient, version) at the agreement
-        self._norms = None  # and the gradients' norms then
+        self._hooks = HookExchange(coll, gradient_predivide_factor)  # tensor by tensor, from the hooks
+        self._flat_exchange = FlatExchange(coll)
+        self._notes = GradientNotes()  # the gradients as the agreement saw them
         self._layout_problem = None  # this rank's LayoutError of the open step, sent as a NaN status
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._exchanges = itertools.count()
-        contract.register_hooks(self)
+        self._contract.register_hooks([p for p in self._all_params if p.requires_grad])
 
-    def _known(self):
-        return self._where
+    @property
+    def _coll(self):
+        return self._contract.coll
+
+    @property
+    def _member(self):
+        return self._contract.member
+
+    @property
+    def _ddp(self):
+        return self._hook_state is not None
+
+    @property
+    def hook_state(self):
+        """The :class:`~slamb_comm.adapters.torch.SlambHookState` bound to this optimizer (DDP's
+        buckets launch its exchange), or None."""
+        return self._hook_state
+
+    def attach_hook_state(self, state):
+        """For :meth:`SlambHookState.bind`: from now on DDP's buckets, handed to ``slamb_hook``
+        (:meth:`ddp_bucket`), launch the exchange instead of the parameters' own hooks; DDP's
+        buckets come in the same order on every rank, so their collectives start at once."""
+        self._hook_state = state
+        self._coll.immediate = True
+
+    def rebind(self, coll, tag, transport):
+        """For Elastic Horovod, after the world changed: the collectives of the new world (named by
+        ``tag``, the same on every worker), its ``transport``, and the buckets rebuilt on it
+        (collective; the state is kept)."""
+        self._contract.rebind(coll, tag)
+        self._hooks, self._flat_exchange = HookExchange(coll, self.gradient_predivide_factor), FlatExchange(coll)
+        self._slamb_transport, self._exchanges = transport, itertools.count()
+        self._build_engines()
+        self._index_params()
+        self._options_agreed = False
+        self._in_hooks = not self._flat_mode()
 
     def _flat_mode(self):
         """Whether steps go through the buckets' flat buffers (SLAMB's ``fused``): every bucket's
@@ -122,51 +168,39 @@ class DistributedSlamb(torch.optim.Optimizer):
         for e in self._engines:
             self._set_ratio(e)
 
-    add_param_group = contract.add_param_group_before_wrapping
-
     # -------------------------------------------------------------- hooks
-    set_backward_passes_per_step = contract.set_backward_passes_per_step
-
-    def _make_hook(self, p):
-        def hook(param):
-            if self._ddp:  # slamb_hook launches the exchange from DDP's buckets instead
-                return
-            self._backward_begins()
-            if self._allreduce_delay[p] <= 0:
-                raise AssertionError(contract.TOO_MANY)
-            self._allreduce_delay[p] -= 1
-            self._fresh = False
-            if self._allreduce_delay[p] == 0:
-                contract.at_end_of_backward(self)
-                if self._in_hooks:
-                    self._launch(p)
-        return hook
+    def _ready(self, p):
+        """``p``'s gradient hook (Horovod's countdown); when it completes, in hooks mode, the launch
+        of its exchange. Under DDP, :func:`slamb_hook` launches the exchange instead."""
+        if self._ddp:
+            return
+        self._backward_begins()
+        if self._contract.count(p) and self._in_hooks:
+            self._launch(p)
 
     def _backward_begins(self):
         """At the first gradient hook (or DDP bucket) of a backward pass: an error of the last
         agreement not raised yet is raised now; a step that was agreed but not taken (a
         GradScaler skipped it; or ``synchronize()``, then one more backward pass) is dropped --
         it changed no state -- and this backward pass starts the step afresh."""
-        if self._in_backward:
+        if self._contract.in_backward:
             return
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-        self._in_backward = True
-        if self._agreed and (self._ddp or self._fresh):
+        self._contract.in_backward = True
+        if self._contract.agreed and (self._ddp or self._contract.fresh):
             self._abandon()
-            self._agreed = False
+            self._contract.agreed = False
         self._nonfinite = None
-        self._synchronized = False
+        self._contract.synchronized = False
 
     def _end_of_backward(self):
         """Queued by the first hook of a backward pass whose countdown completes: runs when the
         backward pass ends. Under DDP once more, so as to run after DDP's own end-of-backward
         callback, which copies the buckets into ``p.grad``."""
-        self._callback_queued = False
-        self._in_backward = False
         if self._ddp:
-            torch.autograd.Variable._execution_engine.queue_callback(self._agree_quietly)
+            queue_callback(self._agree_quietly)
         else:
             self._agree_quietly()
 
@@ -192,30 +226,21 @@ class DistributedSlamb(torch.optim.Optimizer):
             self._launch_missing()  # a parameter without a gradient takes part with zeros (its status says so)
             self._finish()
         elif flat is None:
-            norms = contract.grad_norms(self._requires_update)  # L2: overflows where v would (a bad gradient)
-            if contract.agree_finite(self, self._requires_update, self._agreements, norms):
-                names = [self._names.get(id(p), "?") for p in self._requires_update]
+            norms = grad_norms(self._contract.params)  # L2: overflows where v would (a bad gradient)
+            if self._contract.agree_finite(self._contract.params, norms):
+                names = [self._names.get(id(p), "?") for p in self._contract.params]
                 self._abort()
                 self._nonfinite = NonFiniteError(
                     "SLAMB: a non-finite gradient (NaN/Inf) on some rank; every rank's gradients were set to NaN "
                     "and the step is skipped on every rank, with no state changed", (), names)
-        self._reference = {p: _version(p) for p in self._requires_update}
-        self._norms = contract.grad_norms(self._requires_update) if norms is None else norms
+        self._notes.take(self._contract.params, norms)
         if self._flat_mode():
             self._flat_exchange.regroup(self._engines, self._ddp_groups if self._ddp else {})
-        self._agreed = True
+        self._contract.agreed = True
 
     def _grads_changed(self):
-        """Whether this rank changed a gradient since the agreement. In-place changes through
-        torch's operators bump a gradient's version counter (``clip_grad_norm_`` does, even when
-        it leaves the values as they are); ``GradScaler.unscale_`` and writes through ``.data``
-        do not, so the gradients' L2 norms are compared as well (one read of every gradient)."""
-        if any(not _same(_version(p), self._reference.get(p)) for p in self._requires_update):
-            return True
-        norms = contract.grad_norms(self._requires_update)
-        if norms is None or self._norms is None:
-            return (norms is None) != (self._norms is None)
-        return not torch.equal(norms, self._norms)
+        """Whether this rank changed a gradient since the agreement (:class:`GradientNotes`)."""
+        return self._notes.changed(self._contract.params)
 
     def _raise_pending(self):
         if self._error is not None:
@@ -225,7 +250,7 @@ class DistributedSlamb(torch.optim.Optimizer):
     def _begin(self, e):
         if isinstance(self._engines, str):
             raise RuntimeError("parameter groups changed after DistributedOptimizer was built")
-        contract.launch_trainable_flag(self)
+        self._contract.launch_flag(self._all_params, self._flag_words())
         if self._layout_problem is None:
             self._layout_problem = params_changed(self, self._all_params)
         try:
@@ -233,64 +258,27 @@ class DistributedSlamb(torch.optim.Optimizer):
         except ConfigError as err:  # an option fixed at construction changed on this rank: send it as a status
             if self._layout_problem is None:
                 self._layout_problem = err
-        e.rule.begin_step()
-        e.open = True
-        e.launched = {}
-        e.encode_s = 0.0
-        e.payload = 0
-        e.means = None
-        e.counts = None if e.key[3][1] == "topk" else e.rule.counts()
-        e.wire = e.comm.value_dtype
+        self._hooks.begin(e, topk=e.comm.mask_kind == "topk")
 
     def _launch_once(self, p):
         """``_launch(p)`` unless this step already launched it (DDP's hook, once per bucket)."""
         e, _ = self._where[p]
-        if not (e.open and p in e.launched):
+        if not self._hooks.launched(e, p):
             self._launch(p)
 
     def _launch(self, p, redo=False):
         """Local moments of ``p`` from its gradient, and (except for the topk mask) the async
-        Average of its momentum entries on M_t."""
+        Average of its momentum entries on M_t (:meth:`HookExchange.launch`)."""
         e, i = self._where[p]
-        if not e.open:
+        if not self._hooks.is_open(e):
             self._begin(e)
-        t0 = time.perf_counter()
         if self._layout_problem is None:
             self._layout_problem = param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
-        changed = self._layout_problem is not None
-        if not changed:
-            g, _ = self._grad_array(p, e)
-        if e.counts is None:  # topk mask: pick now, exchange fused after every gradient is in
-            if not changed:
-                with cuda_scope(p.device):
-                    e.rule.accumulate(i, g)
-            e.launched[p] = None
-            return
-        buf = torch.empty(e.counts[i] + 1, dtype=torch_dtype(e.wire), device=p.device)
-        # Status slot: 0, or -1 where this rank has no gradient for p (the Average is then -1 only
-        # if no rank has one: p is left as it is), or inf if this rank's gradient is not finite (or
-        # its square would overflow v), computed on the device without a host read; NaN if a
-        # parameter of this rank no longer fits its bucket (it still takes part, with zeros). The
-        # Average spreads inf/NaN.
-        if changed:
-            buf.zero_()[-1] = math.nan
-        else:
-            fine = -1.0 if p.grad is None else 0.0
-            with cuda_scope(p.device):
-                bad = e.rule.accumulate(i, g, out=_arr.as_array(buf)[:-1])  # this rank's new momentum on M_t
-            if isinstance(bad, (bool, np.bool_)):
-                buf[-1] = math.inf if bad else fine
-            else:
-                buf[-1:].copy_(torch.where(tensors.tensor_of(bad), math.inf, fine).reshape(1))
-        pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        name = f"slamb_comm.momentum.{e.names[i]}" + (".redo" if redo else "")
-        handle = self._coll.allreduce_async(buf, name, average=True, prescale=pre, postscale=post)
-        e.launched[p] = (handle, buf)
-        e.payload += buf.numel() * buf.element_size()
-        e.encode_s += time.perf_counter() - t0
+        g = None if self._layout_problem is not None else self._grad_array(p, e)[0]
+        self._hooks.launch(e, i, p, g, self._layout_problem, redo)
 
     def _finish_exchange(self):
-        """Wait for every launched exchange and write the means back.
+        """Wait for every launched exchange and keep the means (:meth:`HookExchange.finish`).
 
         Non-finite values on any rank (seen by every rank alike, through the status slot or
         the averaged values) abandon the step on every rank, fill the affected gradients
@@ -299,75 +287,19 @@ class DistributedSlamb(torch.optim.Optimizer):
         A parameter that no longer fits its bucket on some rank (NaN status slot, or a
         rejected fused exchange) abandons the step too, and raises on every rank at once.
         """
-        t1 = time.perf_counter()
-        flags, results, failed, changed = [], [], [], None
-        absent = -1.0 + 0.5 / self._coll.size  # an averaged status at most this: no rank had a gradient
-        for e in self._engines:
-            e.skip = set()
-            if e.open and e.counts is not None:
-                for p, (handle, buf) in e.launched.items():
-                    out = self._coll.wait(handle)
-                    results.append((e, p, out))
-                    flags.append(torch.isfinite(out).all())
-        for e in self._engines:
-            if e.open and e.counts is None:  # topk mask: the core's fused exchange, after all moments
-                try:
-                    with cuda_scope(e.params[0].device):
-                        # which parameters have a gradient on some rank (every rank takes part)
-                        have = torch.tensor([p.grad is not None for p in e.params], dtype=torch.int32,
-                                            device=self._coll.device)
-                        self._coll.allreduce(have, f"slamb_comm.have.{next(self._exchanges)}")
-                        e.skip = {i for i, c in enumerate(have.tolist()) if c == 0}
-                        if self._layout_problem is not None:  # input the core rejects, collectively
-                            e.comm.masked_allreduce([], e.rule.t + 1)
-                        else:
-                            e.rule.exchange(Grads(e))
-                except NonFiniteError as err:  # raised on every rank; the core abandoned the step
-                    e.open = False
-                    failed.append((e, err))
-                except (LayoutError, PeerError) as err:  # also raised on every rank
-                    changed = err
-                    break
-        t2 = time.perf_counter()
-        bad, gone = [], []
-        if flags:  # one host read: every exchange's finiteness, and which parameters no rank had a gradient for
-            words = torch.stack([torch.stack(flags).all()] + [out[-1] <= absent for _, _, out in results]).tolist()
-            finite, gone = words[0], words[1:]
-        if flags and not finite:
-            bad = [(e, p) for e, p, out in results if not bool(torch.isfinite(out).all())]
-            if changed is None and any(bool(torch.isnan(out[-1])) for _, _, out in results):
-                changed = True
-        if changed is not None:
-            self._raise_changed(None if changed is True else changed)
-        if bad or failed:
-            bad += [(e, p) for e, _ in failed for p in e.params]
-            names = [e.names[e.index[p]] for e, p in bad]
+        fin = self._hooks.finish(self._engines, self._layout_problem)
+        if fin.changed is not None:
+            self._raise_changed(None if fin.changed is True else fin.changed)
+        if fin.bad:
+            names = [e.names[e.index[p]] for e, p in fin.bad]
             self._abort()
             with torch.no_grad():
-                for _, p in bad:
+                for _, p in fin.bad:
                     if p.grad is not None:
                         p.grad.fill_(float("nan"))
             self._nonfinite = NonFiniteError(
                 f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
                 "the step was abandoned on every rank and no state was changed", (), names)
-            return
-        for (e, p, _), nobody in zip(results, gone):
-            if nobody:
-                e.skip.add(e.index[p])
-        for e, p, out in results:  # the means, applied by step() (m is not touched before then)
-            if e.means is None:
-                e.means = [None] * len(e.params)
-            e.means[e.index[p]] = _arr.as_array(out[:-1])
-        t3 = time.perf_counter()
-        for e in self._engines:
-            if e.open and e.counts is not None:
-                lay = e.comm.layout
-                dense = lay.total * lay.dtype.itemsize
-                sent = sum(e.counts)
-                e.comm.stats.record("masked_allreduce", Traffic(
-                    1, e.payload, allreduce_wire(e.payload, e.comm.size), dense, allreduce_wire(dense, e.comm.size),
-                    sent, lay.total, e.encode_s, t2 - t1, t3 - t2))
-                e.launched = {}
 
     def _raise_changed(self, peer_err):
         """On every rank alike: abandon the step; this rank's error (LayoutError: a parameter
@@ -386,26 +318,16 @@ class DistributedSlamb(torch.optim.Optimizer):
 
     def _abandon(self):
         """Wait for whatever this step launched (Horovod needs every handle collected), then abort."""
-        for e in self._engines:
-            for launched in e.launched.values():
-                if launched is not None:
-                    self._coll.wait(launched[0])
+        self._hooks.abandon()
         self._abort()
 
     def _abort(self):
-        if self._flag:
-            self._coll.wait(self._flag[0])
-        self._flag = None
+        self._contract.drop_flag()
         self._flat_exchange.abandon()
-        for e in self._engines:
-            if e.open:
-                e.rule.abort_step()
-                e.open = False
-                e.launched = {}
-                e.means = None
+        self._hooks.abort()
         self._layout_problem = None
-        contract.reset_countdown(self)
-        self._synchronized = False
+        self._contract.reset_countdown()
+        self._contract.synchronized = False
 
     def synchronize(self):
         """Make this step's collective decisions now, if the end of the backward pass did not
@@ -416,19 +338,20 @@ class DistributedSlamb(torch.optim.Optimizer):
 
         Outside the process set there is nothing to exchange (the rank optimises alone)."""
         if not self._member:
-            self._synchronized = True
+            self._contract.synchronized = True
             return
         self._raise_pending()
-        if not self._agreed:
+        if not self._contract.agreed:
             self._agree()
-        contract.reset_countdown(self)
-        self._synchronized = True
+        self._contract.reset_countdown()
+        self._contract.synchronized = True
 
     def _finish(self):
         """Wait for the step's flag and exchange; first redo the exchange if the flag says every
         rank unfroze parameters or some rank asks for a new ratio."""
-        grown = contract.wait_trainable_flag(self)
-        rerate = self._flag_extra[0] > 0  # some rank's groups ask for a new ratio (a schedule)
+        flag = self._contract.wait_flag()
+        grown, self._words = flag.grown, HookWords(*flag.words)
+        rerate = self._words.rerate > 0  # some rank's groups ask for a new ratio (a schedule)
         if grown or rerate:  # both collective decisions: abandon this exchange and redo it after
             self._abandon()
             if rerate:  # every rank alike, from this step on (or an error on every rank)
@@ -436,9 +359,9 @@ class DistributedSlamb(torch.optim.Optimizer):
             if grown:  # every rank unfroze the same parameters: adopt them (collectively)
                 self._build_engines()  # keeps the state; the new parameters get a bucket of their own, at step 0
                 self._index_params()
-                contract.register_hooks(self, grown)
+                self._contract.register_hooks(grown)
                 self._options_agreed = False
-            self._flag = False
+            self._contract.hold_flag()
             self._launch_missing()
         self._finish_exchange()
         if not self._options_agreed:  # the update options, as broadcast_optimizer_state left them
@@ -449,7 +372,7 @@ class DistributedSlamb(torch.optim.Optimizer):
                 self._abort()
                 raise
             self._options_agreed = True
-        self._flag = None
+        self._contract.drop_flag()
 
     def _index_params(self):
         """Where each parameter is (its engine and index there), and its place in engine order
@@ -458,8 +381,7 @@ class DistributedSlamb(torch.optim.Optimizer):
         self._order = {p: k for k, p in enumerate(self._where)}
 
     def _launch_missing(self):
-        missing = [p for p in self._requires_update
-                   if not (self._where[p][0].open and p in self._where[p][0].launched)]
+        missing = [p for p in self._contract.params if not self._hooks.launched(self._where[p][0], p)]
         self._launch_all(missing)  # a parameter without a gradient takes part with zeros (its status says so)
 
     def _launch_all(self, params, redo=False):
@@ -476,22 +398,18 @@ class DistributedSlamb(torch.optim.Optimizer):
                 for p in group:
                     self._launch(p, redo=redo)
 
-    skip_synchronize = contract.skip_synchronize
-
     def _exchange_now(self):
         """The step's exchange, launched here from the gradients as they are (hooks mode after
         a change of the gradients: a redo; deferred mode: the only exchange of the step)."""
         if self._in_hooks:  # a redo: the first exchange's values are dropped, its moments recomputed
-            for e in self._engines:
-                e.launched = {}
-                e.payload = 0
-            self._launch_all(self._requires_update, redo=True)
+            self._hooks.relaunch()
+            self._launch_all(self._contract.params, redo=True)
             self._finish_exchange()
             self._in_hooks = False  # the gradients change after the backward pass: exchange from step()
             return
         self._launch_missing()
         self._finish()
-        if self._nonfinite is None and self._flag_extra[1] == 0 and not self._flat_mode():
+        if self._nonfinite is None and self._words.changed == 0 and not self._flat_mode():
             self._in_hooks = True  # no rank changed its gradients after the agreement: back to the hooks
 
     def _decide_flat(self):
@@ -515,10 +433,11 @@ class DistributedSlamb(torch.optim.Optimizer):
         asks = self._asks_new_ratio() if problem is None else 0
         packed = self._flat_exchange
         regrad = int(ready and (packed.finished or packed.deferred) and self._grads_changed())
-        contract.launch_trainable_flag(self, extra=[asks, int(problem is not None), int(not ready), regrad])
-        grown = contract.wait_trainable_flag(self)
-        self._flag = None
-        rerate, changed, unready, regrad = self._flag_extra
+        self._contract.launch_flag(self._all_params, extra=[asks, int(problem is not None), int(not ready), regrad])
+        flag = self._contract.wait_flag()
+        self._contract.drop_flag()
+        grown = flag.grown
+        rerate, changed, unready, regrad = FlatWords(*flag.words)
         packed.deferred = bool(regrad)  # exchange from the hooks again only after a step nobody changed
         if changed:
             self._raise_changed(None)
@@ -530,7 +449,7 @@ class DistributedSlamb(torch.optim.Optimizer):
                 if grown:
                     self._build_engines()
                     self._index_params()
-                    contract.register_hooks(self, grown)
+                    self._contract.register_hooks(grown)
                     self._options_agreed = False
             if not self._options_agreed:
                 for e in self._engines:
@@ -549,7 +468,6 @@ class DistributedSlamb(torch.optim.Optimizer):
             self._nonfinite = err
             return False
         for e in self._engines:
-            e.open = False
             self._publish(e)
         return True
 
@@ -567,16 +485,17 @@ class DistributedSlamb(torch.optim.Optimizer):
         Outside the process set: the single-process SLAMB step (P = 1), as Horovod's non-members
         step their optimizer on the local gradient."""
         if not self._member:
-            return super(self.__class__, self).step(closure)
+            return super().step(closure)
         loss = run_closure(closure)
-        contract.check_ddp_first_step(self)  # once: a DDP module without slamb_hook, or a hook DDP never called
+        # once: a DDP module without slamb_hook, or a hook DDP never called
+        self._contract.check_ddp_once(self, self._all_params, slamb=True, hook_state=self._hook_state)
         self._raise_pending()
-        if self._should_synchronize and self._synchronized:
-            warnings.warn(contract.STEP_AFTER_SYNC)
-        self._synchronized = False
+        if self._contract.should_synchronize and self._contract.synchronized:
+            warnings.warn(STEP_AFTER_SYNC)
+        self._contract.synchronized = False
         flat = False
         try:
-            if not self._agreed:
+            if not self._contract.agreed:
                 self._agree()
             if self._nonfinite is None and self._flat_mode():
                 flat, again = self._decide_flat()
@@ -587,11 +506,11 @@ class DistributedSlamb(torch.optim.Optimizer):
             if self._nonfinite is None and not flat and (not self._in_hooks or self._changed_anywhere()):
                 self._exchange_now()
         finally:
-            self._agreed = False
-            self._reference = {}
+            self._contract.agreed = False
+            self._notes.clear()
         if self._nonfinite is not None:
             err, self._nonfinite = self._nonfinite, None
-            contract.reset_countdown(self)
+            self._contract.reset_countdown()
             if any(e.rule.on_nonfinite == "raise" for e in self._engines):
                 raise err
             for e in self._engines:
@@ -599,30 +518,29 @@ class DistributedSlamb(torch.optim.Optimizer):
             _log.warning("slamb_comm: step skipped on every rank: %s", err)
             return loss
         if flat:
-            contract.reset_countdown(self)
+            self._contract.reset_countdown()
             return loss
         for e in self._engines:
-            if not e.open:
+            opened = self._hooks.close(e)
+            if opened is None:
                 continue
-            e.open = False
-            if len(e.skip) == len(e.params):  # no gradient anywhere in the bucket: no step at all
+            means, skip = opened
+            if len(skip) == len(e.params):  # no gradient anywhere in the bucket: no step at all
                 e.rule.abort_step()
-                e.means = None
                 continue
             lr, wd = self._lr_wd(e)
             x = Params(e)
             with cuda_scope(e.params[0].device):
-                e.rule.apply(x, Grads(e), means=e.means, lr=lr, weight_decay=wd, written=x.written, skip=e.skip)
-            e.means = None
+                e.rule.apply(x, Grads(e), means=means, lr=lr, weight_decay=wd, written=x.written, skip=skip)
             self._publish(e)
-        contract.reset_countdown(self)
+        self._contract.reset_countdown()
         return loss
 
-    def _ddp_bucket(self, bucket):
+    def ddp_bucket(self, bucket):
         """:func:`slamb_hook`'s work for one DDP bucket: in hooks mode, launch the exchange of its
         parameters; the agreement follows at the end of the backward pass."""
         self._backward_begins()
-        contract.at_end_of_backward(self)
+        self._contract.queue_end_of_backward()
         group = [p for p in bucket.parameters() if p in self._where]
         if group:  # keyed as DDP numbers its buckets (the same on every rank)
             key = bucket.index() if hasattr(bucket, "index") else min(self._order[p] for p in group)
@@ -658,30 +576,15 @@ class DistributedSlamb(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
         ``backward()`` and ``step()``/``synchronize()``, when exchanges are in flight."""
-        if not self._fresh:
-            raise AssertionError(contract.ZERO_GRAD)
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        self._contract.check_zero_grad(self._contract.fresh)
+        return super().zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict):
         """Abandon any step in flight, then restore the SLAMB state exactly."""
-        if any(e.open for e in self._engines):
+        if any(self._hooks.is_open(e) for e in self._engines):
             self._abort()
-        self._synchronized = False
-        self._should_synchronize = True
-        self._agreed, self._reference, self._nonfinite, self._error = False, {}, None, None
-        contract.reset_countdown(self)
-        super(self.__class__, self).load_state_dict(state_dict)
+        self._contract.forget_step()
+        self._notes.clear()
+        self._nonfinite, self._error = None, None
+        super().load_state_dict(state_dict)
         self._index_params()
-
-
-def _version(p):
-    """What the agreement notes of ``p``'s gradient: the tensor and its in-place version counter."""
-    g = p.grad
-    return None if g is None else (g, g._version)
-
-
-def _same(a, b):
-    """Whether two :func:`_version` notes are of the same gradient tensor, unchanged."""
-    if a is None or b is None:
-        return a is b
-    return a[0] is b[0] and a[1] == b[1]

@@ -16,7 +16,7 @@ from slamb_comm.communicator import Communicator
 from slamb_comm.errors import NonFiniteError
 from slamb_comm.stats import Traffic
 
-from . import contract
+from .contract import STEP_AFTER_SYNC, ContractMethods
 from .params import param_changed, params_changed, run_closure
 from .tensors import as_compute, cuda_scope, np_dtype, state_dtype, tensor_of
 
@@ -25,7 +25,7 @@ __all__ = ["DistributedTopK", "amp_scale", "loss_scaled"]
 _log = logging.getLogger("slamb_comm")
 
 
-class DistributedTopK(torch.optim.Optimizer):
+class DistributedTopK(ContractMethods, torch.optim.Optimizer):
     """Methods of the class :func:`DistributedOptimizer` builds for ``compression=TopK(...)``.
 
     At ``synchronize()`` (or ``step()``), the gradients of each (device, dtype) bucket go
@@ -37,27 +37,32 @@ class DistributedTopK(torch.optim.Optimizer):
 
     def __init__(self, params, names, compression, backward_passes_per_step, coll, sum_op=False,
                  gradient_predivide_factor=1.0, grad_scaler=None):
-        super(self.__class__, self).__init__(params)
+        super().__init__(params)
         self._compression = compression
         self._grad_scaler = grad_scaler
         self._names = names
-        contract.init_common(self, coll)
-        self.backward_passes_per_step = backward_passes_per_step
+        self._bucketed = set()
+        self._contract = self._make_contract(coll, names, backward_passes_per_step, self._ready, self._contract_agrees,
+                                             self._abandon, lambda: self._bucketed)
         self._sum = bool(sum_op)
         self.gradient_predivide_factor = gradient_predivide_factor
-        self._synchronized = False
-        self._should_synchronize = True
         self._skip_next = False  # the agreed skip of a non-finite step, for the step() that follows
         self.skipped_steps = 0
-        contract.register_hooks(self)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._contract.register_hooks([p for p in self._all_params if p.requires_grad])
         self._transport = coll.transport()  # None outside the process set: nothing exchanged
         self._topk = []
-        self._bucketed = set()
-        self._add_buckets(self._requires_update if self._member else [])
+        self._add_buckets(self._contract.params if self._contract.member else [])
 
-    def _flag_words(self):
-        return []
+    def rebind(self, coll, tag, transport):
+        """For Elastic Horovod, after the world changed: the collectives of the new world (named by
+        ``tag``, the same on every worker), its ``transport``, and the buckets' communicators built
+        for it anew (collective: their layout and option agreement runs again; the error buffers
+        start from zero until the caller loads the merged state)."""
+        self._contract.rebind(coll, tag)
+        self._transport = transport
+        self._topk, self._bucketed = [], set()
+        self._add_buckets(self._contract.params)
 
     def _add_buckets(self, params):
         """One fused top-k Communicator per (device, dtype) of ``params`` (collective). Parameters
@@ -75,23 +80,17 @@ class DistributedTopK(torch.optim.Optimizer):
             self._topk.append((key, ps, dt, comm))
             self._bucketed.update(ps)
 
-    def _known(self):
-        return self._bucketed
-
     def _abandon(self):
-        self._flag = None
-        contract.reset_countdown(self)
+        self._contract.drop_flag()
+        self._contract.reset_countdown()
 
-    set_backward_passes_per_step = contract.set_backward_passes_per_step
+    def _ready(self, p):
+        if not self._contract.in_backward:  # a new backward pass: a skip decided before it is stale (a GradScaler took it)
+            self._skip_next = False
+        self._contract.count_backward(p)
 
-    def _make_hook(self, p):
-        def hook(param):
-            if not self._in_backward:  # a new backward pass: a skip decided before it is stale (a GradScaler took it)
-                self._skip_next = False
-            contract.count_backward(self, p)
-        return hook
-
-    _end_of_backward = contract.end_of_backward
+    def _contract_agrees(self):
+        self._contract.agree_step()
 
     @property
     def communicators(self):
@@ -114,23 +113,24 @@ class DistributedTopK(torch.optim.Optimizer):
 
         Outside the process set nothing is exchanged: the wrapped optimizer steps on this rank's
         own gradients, as with Horovod."""
-        if not self._member:
-            self._synchronized = True
+        c = self._contract
+        if not c.member:
+            c.synchronized = True
             return
-        contract.check_ddp_first_step(self)  # once: not under a DDP that averages densely as well
-        if not self._agreed:  # no backward pass ran here: agree now, as the others did at theirs
-            contract.agree_step(self)
-        self._agreed = False
+        c.check_ddp_once(self, self._all_params, slamb=False)  # not under a DDP that averages densely as well
+        if not c.agreed:  # no backward pass ran here: agree now, as the others did at theirs
+            c.agree_step()
+        c.agreed = False
         # One small Sum tells both which ranks have newly trainable parameters and, per parameter,
         # how many ranks have a gradient for it: none means it is left exactly as it is.
-        before = list(self._requires_update)
-        contract.launch_trainable_flag(self, extra=[int(p.grad is not None) for p in before])
-        grown = contract.wait_trainable_flag(self)
-        self._flag = None
-        nowhere = {p for p, c in zip(before, self._flag_extra) if c == 0}
-        if grown:  # unfrozen alike on every rank: exchanged from this step on, with zero error buffers
-            self._add_buckets(grown)
-            contract.register_hooks(self, grown)
+        before = list(c.params)
+        c.launch_flag(self._all_params, extra=[int(p.grad is not None) for p in before])
+        flag = c.wait_flag()
+        c.drop_flag()
+        nowhere = {p for p, n in zip(before, flag.words) if n == 0}
+        if flag.grown:  # unfrozen alike on every rank: exchanged from this step on, with zero error buffers
+            self._add_buckets(flag.grown)
+            c.register_hooks(flag.grown)
         problem = params_changed(self, self._all_params)
         means = []
         scale = amp_scale(self._grad_scaler, self)
@@ -158,7 +158,7 @@ class DistributedTopK(torch.optim.Optimizer):
                 with cuda_scope(ps[0].device):
                     means.append((comm, grads, comm.sparse_allgather(grads, commit=False)))
         except Exception as err:  # raised on every rank, at the same bucket: start afresh
-            contract.reset_countdown(self)
+            self._contract.reset_countdown()
             if problem is not None:
                 raise problem from None
             if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
@@ -181,10 +181,8 @@ class DistributedTopK(torch.optim.Optimizer):
                     p.grad = out.to_sparse()
                 else:
                     p.grad.copy_(out)
-        contract.reset_countdown(self)
-        self._synchronized = True
-
-    skip_synchronize = contract.skip_synchronize
+        self._contract.reset_countdown()
+        self._contract.synchronized = True
 
     def _skip_nonfinite(self, err):
         """On every rank alike: NaN gradients (so an AMP GradScaler skips too), and the next
@@ -193,7 +191,7 @@ class DistributedTopK(torch.optim.Optimizer):
             for p in ps:
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
-        self._synchronized = True
+        self._contract.synchronized = True
         self._skip_next = True
         self.skipped_steps += 1
         _log.warning("slamb_comm: top-k step skipped on every rank (%d so far): %s", self.skipped_steps, err)
@@ -203,22 +201,27 @@ class DistributedTopK(torch.optim.Optimizer):
         ``skip_synchronize()``); then the wrapped optimizer's step on the mean (skipped, on every
         rank, after a non-finite gradient under ``on_nonfinite='skip'``)."""
         loss = run_closure(closure)
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(contract.STEP_AFTER_SYNC)
+        c = self._contract
+        if c.should_synchronize:
+            if c.synchronized:
+                warnings.warn(STEP_AFTER_SYNC)
             self.synchronize()
-        self._synchronized = False
+        c.synchronized = False
         if self._skip_next:
             self._skip_next = False
             return loss
-        super(self.__class__, self).step()
+        super().step()
         return loss
 
-    zero_grad = contract.zero_grad_when_idle
+    def zero_grad(self, set_to_none=True):
+        """As ``torch.optim.Optimizer.zero_grad``; refused (AssertionError, like Horovod) between
+        ``backward()`` and ``step()``/``synchronize()``, while exchanges are pending."""
+        self._contract.check_zero_grad(not self._contract.pending)
+        return super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         """The wrapped optimizer's state, plus this rank's error buffers under ``'slamb_comm_topk'``."""
-        sd = super(self.__class__, self).state_dict()
+        sd = super().state_dict()
         sd["slamb_comm_topk"] = [
             {"residual": None if c.residual is None else torch.from_numpy(_arr.to_host(c.residual).copy()),
              "seed": int(c.seed), "digest": c.state_dict()["digest"]}
@@ -230,11 +233,8 @@ class DistributedTopK(torch.optim.Optimizer):
         """Restore :meth:`state_dict` output, error buffers included, exactly."""
         state_dict = dict(state_dict)
         mine = state_dict.pop("slamb_comm_topk", None)
-        self._synchronized = False
-        self._should_synchronize = True
-        self._agreed = False
-        contract.reset_countdown(self)
-        super(self.__class__, self).load_state_dict(state_dict)
+        self._contract.forget_step()
+        super().load_state_dict(state_dict)
         if mine is not None:
             if len(mine) != len(self._topk):
                 raise ValueError("the saved top-k state has a different number of buckets")
@@ -253,7 +253,8 @@ def amp_scale(grad_scaler, optimizer=None):
     if grad_scaler is None or not grad_scaler.is_enabled():
         return 1.0
     if optimizer is not None:
-        state = dict.get(getattr(grad_scaler, "_per_optimizer_states", {}), id(optimizer))  # no entry made
+        # GradScaler's own per-optimizer stage (no public equivalent; dict.get: no entry made)
+        state = dict.get(getattr(grad_scaler, "_per_optimizer_states", {}), id(optimizer))
         stage = None if state is None else state.get("stage")
         if stage is not None and getattr(stage, "name", "READY") != "READY":
             return 1.0  # unscaled already

@@ -143,7 +143,7 @@ class FlatExchange:
         pass is applied as it is, unless ``again`` (some rank changed its gradients since) or none
         was packed: then every bucket packs and exchanges now, with the groups and collectives of
         the hooks. Elsewhere (the CPU; a mask the kernels do not derive) every bucket's
-        :meth:`~slamb_comm.slamb.Slamb.exchange_step`, then every bucket's update. Every bucket's
+        :meth:`~slamb_comm.slamb.SlambRule.exchange_step`, then every bucket's update. Every bucket's
         exchange runs before any bucket changes, so that a non-finite gradient on any rank skips
         the whole step on every rank: returns that NonFiniteError, or None. ``lr_wd(e)``: the
         bucket's learning rates and weight decays now."""

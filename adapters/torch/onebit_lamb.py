@@ -1,4 +1,4 @@
-"""The 1-bit LAMB torch optimizer (:class:`OneBitLAMB`), on the core's :class:`slamb_comm.onebit_lamb.OneBitLamb`.
+"""The 1-bit LAMB torch optimizer (:class:`OneBitLAMB`), on the core's :class:`slamb_comm.onebit_lamb.OneBitLambRule`.
 
 Alone it is 1-bit LAMB with P = 1; :mod:`.distributed` turns it into 1-bit LAMB over all
 ranks. docs/onebit_lamb.md has the math.
@@ -6,18 +6,18 @@ ranks. docs/onebit_lamb.md has the math.
 
 import hashlib
 import logging
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from slamb_comm import arrays as _arr
 from slamb_comm.codecs import Layout
 from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError
-from slamb_comm.onebit_lamb import OneBitLamb
+from slamb_comm.onebit_lamb import OneBitLambRule, trust_bounds
 from slamb_comm.transports import LocalTransport
 
-from .params import Engine, param_changed, params_changed, run_closure, saved_state_by_param
+from .params import Engine, EngineKey, param_changed, params_changed, run_closure, saved_state_by_param
 from .slamb import SLAMB
 from .tensors import Grads, Params, cuda_scope, state_dtype, tensor_of
 
@@ -26,7 +26,7 @@ __all__ = ["OneBitLAMB"]
 _log = logging.getLogger("slamb_comm")
 
 
-_ONEBIT_KEYS = ("freeze_step", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta",
+_ONEBIT_KEYS = ("freeze_step", "betas", "eps", "weight_decay", "c_max", "c_min", "coeff_beta",
                 "factor_max", "factor_min", "factor_threshold", "bias_correction", "on_nonfinite")
 _ONEBIT_PROBE = []  # a one-element LocalTransport communicator: the core checks options on it
 
@@ -36,6 +36,17 @@ def _onebit_knobs(g):
     conv = {"freeze_step": int, "betas": lambda b: tuple(float(x) for x in b), "bias_correction": bool,
             "on_nonfinite": str}
     return tuple(conv.get(k, float)(g[k]) for k in _ONEBIT_KEYS)
+
+
+def _renamed_bounds(group):
+    """``group`` with DeepSpeed's ``min_coeff``/``max_coeff`` keys (deprecated; a state saved
+    before the rename) as ``c_min``/``c_max``."""
+    if "min_coeff" not in group and "max_coeff" not in group:
+        return group
+    group = dict(group)
+    group["c_min"], group["c_max"] = trust_bounds(group.get("c_min"), group.get("c_max"),
+                                                  group.pop("min_coeff", None), group.pop("max_coeff", None))
+    return {k: v for k, v in group.items() if v is not None or k not in ("c_min", "c_max")}
 
 
 def _host_flat(t, n, what):
@@ -50,7 +61,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     r"""1-bit LAMB (Li et al., HiPC 2022; DeepSpeed's ``OnebitLamb``) as a ``torch.optim.Optimizer``.
 
     The math is docs/onebit_lamb.md section 2 with section 3's choices, computed by
-    :class:`slamb_comm.onebit_lamb.OneBitLamb` on each bucket's fused flat buffers: for
+    :class:`slamb_comm.onebit_lamb.OneBitLambRule` on each bucket's fused flat buffers: for
     ``freeze_step`` steps LAMB on the gradient averaged over the ranks (one dense allreduce per
     step), then v frozen and each rank's momentum averaged by the error-compensated 1-bit
     exchange (signs, one scale per rank and chunk), the LAMB coefficient frozen and rescaled by
@@ -66,13 +77,17 @@ class OneBitLAMB(torch.optim.Optimizer):
         params: parameters or parameter groups; every option can be set per group. ``lr`` is
             read at every step (lr schedulers work); the other options may change between
             steps too, alike for all groups of a bucket and on every rank.
-        lr, freeze_step, betas, eps, weight_decay, max_coeff, min_coeff, coeff_beta,
+        lr, freeze_step, betas, eps, weight_decay, c_max, c_min, coeff_beta,
         factor_max, factor_min, factor_threshold, bias_correction: as
-            :class:`slamb_comm.onebit_lamb.OneBitLamb` (DeepSpeed's names and defaults;
+            :class:`slamb_comm.onebit_lamb.OneBitLambRule` (DeepSpeed's defaults, and its names but
+            for the trust ratio's bounds, ``c_max``/``c_min`` as SLAMB's: ``max_coeff``/``min_coeff``
+            are deprecated aliases, also as group keys and in saved states;
             ``bias_correction=False`` is DeepSpeed's rule).
         on_nonfinite: ``'skip'`` (default): a step with a NaN/Inf gradient on any rank is
             skipped on every rank (logged, counted in :attr:`skipped_steps`); ``'raise'``:
             every rank raises :class:`slamb_comm.NonFiniteError`. Either way nothing changes.
+        transport, names: what :func:`~slamb_comm.adapters.torch.DistributedOptimizer` passes
+            (the ranks' transport; ``id(parameter) -> name``); leave them out in one process.
 
     Buckets: trainable parameters are fused per (device, compute dtype, options but ``lr``,
     step count); each bucket has its own exchange, momentum scaling (γ̄ is over the bucket's
@@ -107,17 +122,19 @@ class OneBitLAMB(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip"):
+                 c_max=10.0, c_min=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip", *, transport=None, names=None,
+                 max_coeff=None, min_coeff=None):
+        c_min, c_max = trust_bounds(c_min, c_max, min_coeff, max_coeff)
         defaults = dict(lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                        c_max=c_max, c_min=c_min, coeff_beta=coeff_beta, factor_max=factor_max,
                         factor_min=factor_min, factor_threshold=factor_threshold,
                         bias_correction=bias_correction, on_nonfinite=on_nonfinite)
         self._check_options(defaults)
         self._engines = None
         super().__init__(params, defaults)  # checks every group (add_param_group)
-        self._onebit_transport = getattr(self, "_onebit_transport", None)  # set first by the distributed class
-        self._onebit_names = getattr(self, "_onebit_names", None) or {}
+        self._onebit_transport = transport  # the distributed wrapper's (None: one process)
+        self._onebit_names = names or {}
         self._published = {}  # param -> the torch state entries _publish wrote (to see outside changes)
         self._build_engines()
 
@@ -127,19 +144,19 @@ class OneBitLAMB(torch.optim.Optimizer):
             raise ConfigError(f"lr must be a number >= 0, got {g['lr']!r}")
         if not _ONEBIT_PROBE:
             _ONEBIT_PROBE.append(Communicator(None, Layout([(1,)], np.float32), ratio=1.0, seed=0))
-        OneBitLamb(_ONEBIT_PROBE[0], lr=g["lr"], **{k: g[k] for k in _ONEBIT_KEYS})  # ConfigError if out of range
+        OneBitLambRule(_ONEBIT_PROBE[0], lr=g["lr"], **{k: g[k] for k in _ONEBIT_KEYS})  # ConfigError if out of range
 
     def add_param_group(self, param_group):
         """Add a parameter group (options default to the constructor's); its parameters get
         buckets of their own, at step 0."""
-        super().add_param_group(param_group)
+        super().add_param_group(_renamed_bounds(param_group))
         self._check_options(self.param_groups[-1])
         if self._engines is not None:
             self._build_engines()
 
     def _build_engines(self):
         """Bucket the trainable parameters by (device, compute dtype, options, step count) and
-        build one Communicator + core OneBitLamb per bucket, keeping existing state. Collective
+        build one Communicator + core OneBitLambRule per bucket, keeping existing state. Collective
         when distributed."""
         saved = {p: dict(self.state[p]) for e in (self._engines or []) for p in e.params}
         transport = self._onebit_transport if self._onebit_transport is not None else LocalTransport()
@@ -148,7 +165,7 @@ class OneBitLAMB(torch.optim.Optimizer):
             for j, p in enumerate(g["params"]):
                 if p.requires_grad:
                     age = int(float(saved[p]["step"])) if p in saved else 0
-                    key = (str(p.device), str(state_dtype(p.dtype)), _onebit_knobs(g), age)
+                    key = EngineKey(str(p.device), str(state_dtype(p.dtype)), _onebit_knobs(g), age)
                     buckets.setdefault(key, []).append((p, g, self._onebit_names.get(id(p), f"group{gi}.{j}")))
         self._engines = []
         for key, items in buckets.items():
@@ -156,7 +173,7 @@ class OneBitLAMB(torch.optim.Optimizer):
             e = Engine(key, params, groups, names, state_dtype(params[0].dtype))
             e.comm = Communicator(transport, Layout([tuple(p.shape) for p in params], e.np_dtype, names=names),
                                   ratio=1.0, seed=0)
-            e.rule = OneBitLamb(e.comm, lr=float(groups[0]["lr"]), **dict(zip(_ONEBIT_KEYS, key[2])))
+            e.rule = OneBitLambRule(e.comm, lr=float(groups[0]["lr"]), **dict(zip(_ONEBIT_KEYS, key.knobs)))
             self._import_state(e, {p: saved[p] for p in params if p in saved})
             self._engines.append(e)
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -202,9 +219,8 @@ class OneBitLAMB(torch.optim.Optimizer):
                 server_error=_host_flat(src["server_error"], ex.chunk, "server_error") if mine
                 else np.zeros(ex.chunk, ex.acc_dtype))
         r.load_state_dict(state)
-        like = _arr.as_array(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
-        with cuda_scope(e.params[0].device):
-            r._ensure_state(_arr.namespace(like), like)  # m, v, f on the parameters' device, to publish views of
+        with cuda_scope(e.params[0].device):  # m, v, f on the parameters' device, to publish views of
+            r.place(torch.empty(0, dtype=e.dtype, device=e.params[0].device))
         self._publish(e)
 
     def _publish(self, e):
@@ -244,11 +260,11 @@ class OneBitLAMB(torch.optim.Optimizer):
         if any(_onebit_knobs(g) != knobs for g in e.groups[1:]):
             raise ConfigError("parameter groups that share a OneBitLAMB bucket now disagree on an option other than "
                               "lr; change it for every group at once")
-        if knobs != e.key[2]:
+        if knobs != e.key.knobs:
             self._check_options(e.groups[0])
             for k, val in zip(_ONEBIT_KEYS, knobs):
                 setattr(e.rule, k, val)
-            e.key = e.key[:2] + (knobs,) + e.key[3:]
+            e.key = replace(e.key, knobs=knobs)
         return self._lr(e)
 
     @staticmethod
@@ -279,7 +295,7 @@ class OneBitLAMB(torch.optim.Optimizer):
             if len(self._engines) > 1 and grads and problem is None and not bad:
                 bad = not bool(torch.stack([torch.isfinite(g.to_dense() if g.is_sparse else g).all()
                                             for g in grads]).all())
-            h = hashlib.blake2b(repr((e.key[1:], lr, e.rule.t)).encode(), digest_size=6).digest()
+            h = hashlib.blake2b(repr((e.key.dtype, e.key.knobs, e.key.age, lr, e.rule.t)).encode(), digest_size=6).digest()
             prints.append(float(int.from_bytes(h, "big")))  # < 2**48: exact in a float64
         return problem, bad, have, prints
 
@@ -318,6 +334,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output exactly (moments and error buffers in their saved precision)."""
         raw = saved_state_by_param(self, state_dict)
+        state_dict = {**state_dict, "param_groups": [_renamed_bounds(g) for g in state_dict["param_groups"]]}
         super().load_state_dict(state_dict)
         for g in self.param_groups:
             self._check_options(g)
@@ -326,6 +343,10 @@ class OneBitLAMB(torch.optim.Optimizer):
             e.groups = [group_of[p] for p in e.params]
             self._import_state(e, {p: raw[p] for p in e.params if p in raw})
         self._traffic_t = max((e.rule.t + e.rule.skipped_steps for e in self._engines), default=0)
+
+    def steps_taken(self):
+        """The steps its buckets have taken so far (the most of any bucket; 0 for a new optimizer)."""
+        return max((e.rule.t for e in self._engines), default=0)
 
     @property
     def skipped_steps(self):

@@ -8,13 +8,16 @@ parameters that shares one Communicator and one core rule, and :func:`run_closur
 closure contract that every optimizer of the package keeps.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from slamb_comm.errors import LayoutError
 
 from .tensors import np_dtype, state_dtype
 
-__all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine",
+__all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine", "EngineKey",
            "run_closure"]
 
 
@@ -92,14 +95,23 @@ def saved_state_by_param(optimizer, state_dict):
     return {p: state_dict["state"][i] for i, p in zip(saved, current) if i in state_dict["state"]}
 
 
+@dataclass(frozen=True)
+class EngineKey:
+    """What puts parameters in one bucket (:class:`Engine`): their device and compute dtype, the
+    options the core rule is built with (per optimizer: ``SLAMB``'s :class:`~.slamb.SlambKnobs`,
+    ``OneBitLAMB``'s tuple of options), and their step count."""
+
+    device: str
+    dtype: str
+    knobs: Any
+    age: int
+
+
 class Engine:
     """The parameters of one (device, dtype, hyper-parameter) bucket: one Communicator and
-    one :class:`slamb_comm.slamb.Slamb` over their fused layout."""
+    one :class:`slamb_comm.slamb.SlambRule` over their fused layout."""
 
-    __slots__ = (
-        "key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule",
-        "open", "counts", "means", "wire", "launched", "encode_s", "payload", "skip", "published", "flat",
-    )
+    __slots__ = ("key", "params", "index", "groups", "names", "dtype", "np_dtype", "comm", "rule", "published", "flat")
 
     def __init__(self, key, params, groups, names, dtype):
         self.key = key
@@ -110,12 +122,5 @@ class Engine:
         self.dtype = dtype
         self.np_dtype = np_dtype(dtype)
         self.comm = self.rule = None
-        self.open = False
-        self.counts = self.means = None
-        self.wire = None
-        self.launched = {}
-        self.encode_s = 0.0
-        self.payload = 0
-        self.skip = set()  # tensors without a gradient on any rank at the open step
-        self.published = None  # what the torch state's views were last pointed at (the adapters' _publish)
+        self.published = None  # what the torch state's views were last pointed at (the optimizer's _publish)
         self.flat = None  # the bucket as two flat buffers (flat.Flat), where the optimizer's ``fused`` asks

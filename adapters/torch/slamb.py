@@ -1,4 +1,4 @@
-"""The SLAMB torch optimizer (:class:`SLAMB`), on the core's :class:`slamb_comm.slamb.Slamb`.
+"""The SLAMB torch optimizer (:class:`SLAMB`), on the core's :class:`slamb_comm.slamb.SlambRule`.
 
 Alone it is SLAMB with P = 1; :mod:`.distributed` turns it into SLAMB over all ranks. Holds
 the bucketing of parameters into (device, dtype, options, step) engines, the torch-side
@@ -6,6 +6,7 @@ state (live views into the core's fused buffers), and its exact import and expor
 """
 
 import logging
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,13 +14,13 @@ from slamb_comm import arrays as _arr
 from slamb_comm.codecs import Layout, check_ratio
 from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError
-from slamb_comm.masks import check_block
-from slamb_comm.slamb import Slamb
+from slamb_comm.slamb import SlambRule
 from slamb_comm.stats import Traffic, per_step
 from slamb_comm.transports import LocalTransport
 
 from .flat import Flat, wants_flat
-from .params import Engine, param_changed, run_closure, saved_state_by_param
+from .options import check_group, knobs_of, layout_knobs
+from .params import Engine, EngineKey, param_changed, run_closure, saved_state_by_param
 from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
 
 __all__ = ["SLAMB", "SAdamW"]
@@ -27,7 +28,15 @@ __all__ = ["SLAMB", "SAdamW"]
 _log = logging.getLogger("slamb_comm")
 
 
-_MASKS = ("cyclic", "bernoulli", "topk")
+@dataclass(frozen=True)
+class Published:
+    """What an engine's torch state was last pointed at (:meth:`SLAMB._publish`)."""
+
+    sign: tuple  # the mask's seed, its schedule, which tensors store their freshness
+    exp_avgs: list  # the torch state's exp_avg views
+    m: object  # the core's m and v the views are of
+    v: object
+    t: int  # the step count written
 
 
 def _schedule(e):
@@ -52,7 +61,7 @@ class SLAMB(torch.optim.Optimizer):
     small or 1-D tensor) are averaged over the ranks, stale entries move with a rate that
     slides from ``lr`` to ``lr / sqrt(P)`` by their freshness, and the parameters are
     averaged every ``sync_interval`` steps. The math is docs/algorithm.md section 1, computed by
-    :class:`slamb_comm.slamb.Slamb` on fused flat buffers.
+    :class:`slamb_comm.slamb.SlambRule` on fused flat buffers.
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer. Every option
@@ -66,7 +75,7 @@ class SLAMB(torch.optim.Optimizer):
             any ratio is LAMB. Distributed, ratio 1 averages all of m every step but keeps v per
             rank and sends ``(N + 1)`` values plus the periodic sync: it is not dense LAMB (for
             that baseline use :class:`LAMB`). It may change between steps (a schedule: set ``param_group["ratio"]`` on every rank
-            alike); the change applies from the next step, see :meth:`slamb_comm.slamb.Slamb.set_ratio`.
+            alike); the change applies from the next step, see :meth:`slamb_comm.slamb.SlambRule.set_ratio`.
         beta3: freshness decay; stale element i moves with
             ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
         sync_interval: H; parameters are averaged over ranks after steps 1, H+1, 2H+1, ...
@@ -89,10 +98,12 @@ class SLAMB(torch.optim.Optimizer):
             constant number of kernel launches per step whatever the number of tensors
             (:mod:`slamb_comm.fused`), CPU buckets tensor by tensor (faster there); ``True``:
             flat buffers on every device; ``False``: never. With flat buffers the parameters
-            become views into one buffer per bucket and the gradients are copied in with one
-            multi-tensor copy per step (:mod:`slamb_comm.adapters.torch.flat` says why and
-            what it implies). The same SLAMB either way, up to float32 rounding (sums run in
-            another order).
+            become views into one buffer per bucket and the gradients are read where they are
+            (:mod:`slamb_comm.adapters.torch.flat` says how and what it implies). The same
+            SLAMB either way, up to float32 rounding (sums run in another order).
+        transport, names, build: what :func:`~slamb_comm.adapters.torch.DistributedOptimizer`
+            passes (the ranks' transport; ``id(parameter) -> name``; build the buckets now or
+            let the wrapper build them); leave them out in one process.
 
     Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
     (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
@@ -140,77 +151,46 @@ class SLAMB(torch.optim.Optimizer):
         seed=0,
         on_nonfinite="skip",
         fused=None,
+        *,
+        transport=None,
+        names=None,
+        build=True,
     ):
         if fused not in (None, True, False):
             raise ConfigError(f"fused must be None (flat buffers on CUDA only), True or False, got {fused!r}")
-        self._fused = getattr(type(self), "_fused_default", fused)  # a distributed wrapper's: the wrapped one's
+        self._fused = fused
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, ratio=ratio, beta3=beta3,
             sync_interval=sync_interval, mask=mask, block=block, value_dtype=value_dtype, c_min=c_min,
             c_max=c_max, dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
         )
-        self._check_options(defaults)
+        check_group(defaults)
         super().__init__(params, defaults)
         for g in self.param_groups:
-            self._check_options(g)
-        self._slamb_transport = getattr(self, "_slamb_transport", None)
-        self._slamb_names = getattr(self, "_slamb_names", None)
+            check_group(g)
+        self._slamb_transport = transport
+        self._slamb_names = names
         self._engines = None
-        if not getattr(self, "_slamb_defer_build", False):
+        if build:
             self._build_engines()
 
-    # ------------------------------------------------------------------ options
-    @staticmethod
-    def _check_options(g):
-        if not (isinstance(g["lr"], (int, float)) and g["lr"] >= 0):
-            raise ConfigError(f"lr must be a number >= 0, got {g['lr']!r}")
-        b = g["betas"]
-        if len(b) != 2 or not all(0.0 <= float(x) < 1.0 for x in b):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {b!r}")
-        if not float(g["eps"]) >= 0:
-            raise ConfigError(f"eps must be >= 0, got {g['eps']!r}")
-        if not float(g["weight_decay"]) >= 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {g['weight_decay']!r}")
-        check_ratio(g["ratio"])
-        if not 0.0 <= float(g["beta3"]) < 1.0:
-            raise ConfigError(f"beta3 must be in [0, 1), got {g['beta3']!r}")
-        h = g["sync_interval"]
-        if isinstance(h, bool) or int(h) != h or h < 1:
-            raise ConfigError(f"sync_interval must be an integer >= 1, got {g['sync_interval']!r}")
-        if g["mask"] not in _MASKS:
-            raise ConfigError(f"unknown mask {g['mask']!r}; choose one of {list(_MASKS)}")
-        if check_block(g.get("block", 1)) != 1 and g["mask"] != "cyclic":
-            raise ConfigError(f"block={g['block']} applies to the cyclic mask only, not {g['mask']!r}")
-        _arr.value_dtype(g["value_dtype"])
-        if not 0.0 < float(g["c_min"]) <= float(g["c_max"]):
-            raise ConfigError(f"need 0 < c_min <= c_max, got {g['c_min']!r}, {g['c_max']!r}")
-        if int(g["dense_threshold"]) < 0:
-            raise ConfigError(f"dense_threshold must be >= 0, got {g['dense_threshold']!r}")
-        if g["on_nonfinite"] not in ("skip", "raise"):
-            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {g['on_nonfinite']!r}")
-        if g["seed"] is not None and int(g["seed"]) != g["seed"]:
-            raise ConfigError(f"seed must be an integer or None, got {g['seed']!r}")
-
-    @staticmethod
-    def _knobs(g):
-        rule = (tuple(float(b) for b in g["betas"]), float(g["eps"]), float(g["beta3"]), int(g["sync_interval"]),
-                float(g["c_min"]), float(g["c_max"]), g["on_nonfinite"])
-        comm = (check_ratio(g["ratio"]), g["mask"], _arr.value_dtype(g["value_dtype"]).name, int(g["dense_threshold"]),
-                check_block(g.get("block", 1)), None if g["seed"] is None else int(g["seed"]))
-        return rule, comm
+    @property
+    def fused(self):
+        """The ``fused`` it was built with: None (flat buffers for CUDA buckets), True or False."""
+        return self._fused
 
     def add_param_group(self, param_group):
         """Add a parameter group (options default to the constructor's); SLAMB's buckets are
         rebuilt, keeping the existing state, at the next step (collectively when distributed)."""
         super().add_param_group(param_group)
-        self._check_options(self.param_groups[-1])
+        check_group(self.param_groups[-1])
         if getattr(self, "_engines", None) is not None:
             self._engines = "stale"  # rebuilt (keeping the state) at the next step
 
     # ------------------------------------------------------------------ engines
     def _build_engines(self, ages=None):
         """Bucket the parameters by (device, compute dtype, options, step count) and build one
-        Communicator + Slamb per bucket, keeping existing state. Collective when distributed."""
+        Communicator + SlambRule per bucket, keeping existing state. Collective when distributed."""
         old = getattr(self, "_built", None) or []
         saved = {p: dict(self.state[p]) for e in old for p in e.params}
         if ages is None:
@@ -218,7 +198,7 @@ class SLAMB(torch.optim.Optimizer):
         transport = self._slamb_transport if self._slamb_transport is not None else LocalTransport()
         buckets = {}
         for gi, g in enumerate(self.param_groups):
-            rule_k, comm_k = self._knobs(g)
+            knobs = knobs_of(g)
             for j, p in enumerate(g["params"]):
                 if not p.requires_grad:
                     continue
@@ -226,7 +206,7 @@ class SLAMB(torch.optim.Optimizer):
                 # parameters that already have state at another step (added by add_param_group)
                 # cannot share a bucket, whose step count is one
                 age = ages.get(p, 0)
-                key = (str(p.device), str(dt), rule_k, comm_k, age)
+                key = EngineKey(str(p.device), str(dt), knobs, age)
                 buckets.setdefault(key, []).append((p, g, j, gi))
         engines = []
         for key, items in buckets.items():
@@ -239,10 +219,9 @@ class SLAMB(torch.optim.Optimizer):
             g0 = groups[0]
             layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
                             dense_threshold=int(g0["dense_threshold"]))
-            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key[3][4],
+            e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key.knobs.comm.block,
                                   value_dtype=g0["value_dtype"], seed=g0["seed"])
-            e.wire = e.comm.value_dtype
-            e.rule = Slamb(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
+            e.rule = SlambRule(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
                            on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None)
@@ -274,7 +253,7 @@ class SLAMB(torch.optim.Optimizer):
             step = steps.pop()
             comm_state["seed"] = int(raw[have[0]].get("mask_seed", comm_state["seed"]))
             sched = raw[have[0]].get("mask_schedule")
-            if sched is not None and e.key[3][1] == "cyclic":
+            if sched is not None and e.key.knobs.comm.mask == "cyclic":
                 sched = [(int(c), int(o)) for c, o in torch.as_tensor(sched).tolist()]
                 if sched[-1][0] != e.comm.mask.num_chunks:
                     raise ValueError(f"the saved mask schedule (chunks, step) {sched} ends at {sched[-1][0]} chunks, "
@@ -287,10 +266,11 @@ class SLAMB(torch.optim.Optimizer):
         stored = not e.rule.derived
         for p, (o, n), shape in zip(have, [lay.segments()[e.index[p]] for p in have],
                                     [lay.shapes[e.index[p]] for p in have]):
-            keys = [("exp_avg", e.rule.m), ("exp_avg_sq", e.rule.v)] + ([("freshness", e.rule._f)] if stored else [])
-            for key, buf in keys:
+            views = [("exp_avg", e.rule.m[o:o + n]), ("exp_avg_sq", e.rule.v[o:o + n])]
+            views += [("freshness", e.rule.stored_freshness(e.index[p]))] if stored else []
+            for key, view in views:
                 if key in raw[p]:
-                    tensor_of(buf[o:o + n]).view(shape).copy_(torch.as_tensor(raw[p][key]).detach())
+                    tensor_of(view).view(shape).copy_(torch.as_tensor(raw[p][key]).detach())
             if not stored and "freshness" in raw[p]:  # a tensor that once skipped a step left the schedule
                 i = e.index[p]
                 saved = torch.as_tensor(raw[p]["freshness"]).detach().reshape(-1).to(e.dtype).cpu()
@@ -308,12 +288,12 @@ class SLAMB(torch.optim.Optimizer):
         stored = tuple(r.stored_freshness(i) is not None for i in range(len(e.params)))
         sign = (int(e.comm.seed), None if sched is None else tuple(map(tuple, sched)), stored)
         done = e.published
-        if (done is not None and done[0] == sign and done[2] is r.m and done[3] is r.v
-                and all(self.state[p].get("exp_avg") is v for p, v in zip(e.params, done[1]))):
+        if (done is not None and done.sign == sign and done.m is r.m and done.v is r.v
+                and all(self.state[p].get("exp_avg") is v for p, v in zip(e.params, done.exp_avgs))):
             steps = [self.state[p]["step"] for p in e.params]
-            if done[4] != r.t:  # the same views and options: only the step count moved (in place, as torch
-                torch._foreach_add_(steps, float(r.t - done[4]))  # does: one multi-tensor add)
-            e.published = done[:4] + (r.t,)
+            if done.t != r.t:  # the same views and options: only the step count moved (in place, as torch
+                torch._foreach_add_(steps, float(r.t - done.t))  # does: one multi-tensor add)
+            e.published = replace(done, t=r.t)
             return
         for i, (p, (o, n), shape) in enumerate(zip(e.params, lay.segments(), lay.shapes)):
             st = self.state[p]
@@ -331,7 +311,7 @@ class SLAMB(torch.optim.Optimizer):
                 st.pop("mask_schedule", None)
             else:  # the cyclic mask's ratio changes that still decide its freshness: [(chunks, step)]
                 st["mask_schedule"] = torch.tensor(sched, dtype=torch.int64)
-        e.published = (sign, [self.state[p]["exp_avg"] for p in e.params], r.m, r.v, r.t)
+        e.published = Published(sign, [self.state[p]["exp_avg"] for p in e.params], r.m, r.v, r.t)
 
     def state_dict(self):
         """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
@@ -371,19 +351,20 @@ class SLAMB(torch.optim.Optimizer):
             self._import_state(e, {p: self.state[p] for p in e.params})
             self._options_agreed = False
         groups = list({id(g): g for g in e.groups}.values())  # each group once, not once per parameter
-        rule_k, comm_k = self._knobs(groups[0])
+        rule_k = knobs_of(groups[0]).rule
         for g in groups[1:]:
-            if self._knobs(g)[0] != rule_k:
+            if knobs_of(g).rule != rule_k:
                 raise ConfigError("parameter groups that share a SLAMB bucket now disagree on betas/eps/beta3/"
                                   "sync_interval/c_min/c_max; change them for every group at once")
         for g in groups:
-            c = self._knobs(g)[1]
-            if c[1:5] != e.key[3][1:5]:
+            c, built = knobs_of(g).comm, e.key.knobs.comm
+            if c.fixed != built.fixed:
                 raise ConfigError("mask, value_dtype, dense_threshold and block are fixed at construction "
-                                  f"(built with {e.key[3][1:5]}, the group now says {c[1:5]}); the ratio may change")
+                                  f"(built with {built.fixed}, the group now says {c.fixed}); the ratio may change")
         self._requested_ratio(e)
         r = e.rule
-        r.betas, r.eps, r.beta3, r.sync_interval, r.c_min, r.c_max, r.on_nonfinite = rule_k
+        r.betas, r.eps, r.beta3, r.sync_interval = rule_k.betas, rule_k.eps, rule_k.beta3, rule_k.sync_interval
+        r.c_min, r.c_max, r.on_nonfinite = rule_k.c_min, rule_k.c_max, rule_k.on_nonfinite
 
     def _requested_ratio(self, e):
         """The ratio the bucket's parameter groups ask for now (a schedule may have changed it);
@@ -407,7 +388,8 @@ class SLAMB(torch.optim.Optimizer):
             e.rule.set_ratio(k)
         else:  # still collective: the other ranks learn of it and raise PeerError
             e.comm.set_ratio(k, e.rule.t, problem=problem)
-        e.key = e.key[:3] + ((e.comm.ratio,) + e.key[3][1:],) + e.key[4:]
+        knobs = e.key.knobs
+        e.key = replace(e.key, knobs=replace(knobs, comm=replace(knobs.comm, ratio=e.comm.ratio)))
         self._publish(e)
 
     def _lr_wd(self, e):
@@ -455,13 +437,13 @@ class SLAMB(torch.optim.Optimizer):
         raw = saved_state_by_param(self, state_dict)
         super().load_state_dict(state_dict)
         for g in self.param_groups:
-            self._check_options(g)
+            check_group(g)
         engines = self._ensure_engines()
         group_of = {p: g for g in self.param_groups for p in g["params"]}
         for e in engines:  # torch's load made new group dicts: read options (an lr schedule's) from those
             e.groups = [group_of[p] for p in e.params]
         ages = {p: int(float(st["step"])) for p, st in raw.items() if "step" in st}
-        if any(self._knobs(g)[1][:5] != e.key[3][:5] for e in engines for g in e.groups) or any(
+        if any(layout_knobs(knobs_of(g)) != layout_knobs(e.key.knobs) for e in engines for g in e.groups) or any(
             len({ages.get(p, 0) for p in e.params}) > 1 for e in engines
         ):
             self._build_engines(ages)  # the checkpoint's buckets differ from ours
@@ -471,6 +453,10 @@ class SLAMB(torch.optim.Optimizer):
         self._traffic_t = max((e.rule.t + e.rule.skipped_steps for e in engines), default=0)
 
     # ------------------------------------------------------------------ statistics
+    def steps_taken(self):
+        """The steps its buckets have taken so far (the most of any bucket; 0 for a new optimizer)."""
+        return max((e.rule.t for e in self._ensure_engines()), default=0)
+
     @property
     def skipped_steps(self):
         """Steps skipped (on every rank alike) for non-finite gradients, with ``on_nonfinite='skip'``."""
