@@ -165,12 +165,12 @@ class SLAMB(torch.optim.Optimizer):
             c_max=c_max, dense_threshold=dense_threshold, seed=seed, on_nonfinite=on_nonfinite,
         )
         check_group(defaults)
+        self._engines = None  # before torch's constructor calls add_param_group
         super().__init__(params, defaults)
         for g in self.param_groups:
             check_group(g)
         self._slamb_transport = transport
         self._slamb_names = names
-        self._engines = None
         if build:
             self._build_engines()
 
@@ -184,7 +184,7 @@ class SLAMB(torch.optim.Optimizer):
         rebuilt, keeping the existing state, at the next step (collectively when distributed)."""
         super().add_param_group(param_group)
         check_group(self.param_groups[-1])
-        if getattr(self, "_engines", None) is not None:
+        if self._engines is not None:
             self._engines = "stale"  # rebuilt (keeping the state) at the next step
 
     # ------------------------------------------------------------------ engines
