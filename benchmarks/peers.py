@@ -13,8 +13,14 @@ ranks (4), every method through slamb_comm's API:
 * ``diloco``: ``DiLoCo(AdamW, H=50)``, outer Nesterov 0.7 / 0.9; ``desloc``: ``DesLoc(AdamW,
   H=50)`` (m every 150, v every 300 steps);
 * ``demo``: ``DeMo`` (top-32 of 64 x 64 DCT blocks, all-gathered);
+* ``sparseloco``: ``SparseLoCo(AdamW, H=5, topk=256)`` (top-256 of each 4096-element chunk of the
+  error-fed pseudo-gradient, 2-bit values, all-gathered); ``sparseloco-shared``:
+  ``SharedMaskSparseLoCo(AdamW, H=5, ratio=1/32)`` (the shared cyclic mask at the same payload,
+  float16 values, one allreduce); docs/algorithm.md section 14; ``sparseloco@H@TOPK`` and
+  ``sparseloco-shared@H@RATIO[@BETA]`` for other settings, swept like their base;
 * ``slamb@K@H``, ``sadamw@K@H``: the sparse exchange at ratio K and sync interval H, at the base
-  method's best lr (0.01, 0.004), for settings at equal payload.
+  method's best lr (0.01, 0.004), for settings at equal payload; ``sadamw@K@H@SEED``: with the
+  cyclic mask of another seed (the adapters' default is 0, so every run at one k shares one mask).
 
 Bytes are every optimizer's ``step_traffic()`` (payload handed to the collectives, per rank),
 against the dense reference of a step (one float32 allreduce of every gradient,
@@ -31,7 +37,6 @@ runs that many jobs at once (on a machine with cores for them).
 
 import argparse
 import csv
-import math
 import os
 import subprocess
 import sys
@@ -56,6 +61,12 @@ METHODS = {  # name: (lr grid, collective)
     "diloco": (ADAMW_GRID, "allreduce"),
     "desloc": (ADAMW_GRID, "allreduce"),
     "demo": (DEMO_GRID, "allgather"),
+    # SparseLoCo (issue 36): per-rank chunk-wise top-k of the error-fed pseudo-gradient, 2-bit
+    # values, one all-gather per outer step; and the same outer step on the shared cyclic mask,
+    # one float16 allreduce (docs/algorithm.md section 14); settings in _sparseloco. Variants:
+    # sparseloco@H@TOPK, sparseloco-shared@H@RATIO[@BETA] (sync interval, top-k per chunk, density)
+    "sparseloco": (ADAMW_GRID, "allgather"),
+    "sparseloco-shared": (ADAMW_GRID, "allreduce"),
     # SAdamW with its second moment averaged over the ranks every 100 / 300 steps (DES-LOC's
     # argument), at SAdamW's best lr (not swept again): the measurement behind the default
     "sadamw-v100": ((0.004,), "allreduce"),
@@ -76,15 +87,19 @@ def build(method, lr, model, named):
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.01) if method == "adamw" else \
             st.LAMB(ddp.parameters(), lr=lr, weight_decay=0.01)
         return opt, ddp, None
+    if method.startswith("sparseloco"):
+        return _sparseloco(method, lr, params)
     k, H = (0.02 if method == "sadamw-k02" else 0.1), 100
-    if "@" in method:  # a variant: slamb@K@H or sadamw@K@H
-        k, H = float(method.split("@")[1]), int(method.split("@")[2])
+    seed = 0  # the adapters' default mask seed
+    if "@" in method:  # a variant: slamb@K@H or sadamw@K@H, and @SEED for another cyclic mask (issue 36)
+        k, H, *rest = method.split("@")[1:]
+        k, H, seed = float(k), int(H), int(rest[0]) if rest else 0
     if method.startswith("slamb"):
         base = st.SLAMB(params, lr=lr, weight_decay=0.01, ratio=k, value_dtype="float16", beta3=0.9,
-                        sync_interval=H)
+                        sync_interval=H, seed=seed)
     elif method.startswith("sadamw"):
         base = st.SAdamW(params, lr=lr, weight_decay=0.01, ratio=k, value_dtype="float16", beta3=0.9,
-                         sync_interval=H)
+                         sync_interval=H, seed=seed)
     if method.startswith("slamb") or method.startswith("sadamw"):
         opt = st.DistributedOptimizer(base, named_parameters=named)
         if "-v" not in method:
@@ -101,6 +116,32 @@ def build(method, lr, model, named):
         opt = st.DeMo(params, lr=lr, weight_decay=0.01, chunk=64, topk=32)
         return opt, None, opt.step_traffic
     raise SystemExit(f"unknown method {method!r}; known: {list(METHODS)}")
+
+
+#: The bare arms' settings: SparseLoCo at H = 5 with the top 256 of each 4096-element chunk (6.25%),
+#: the best of those tried at 600 steps (benchmarks/RESULTS.md, issue 36: at the paper's H = 15 and
+#: 1.56%, 40 outer steps leave most entries unsent), and the shared mask at the same payload (1/32)
+SPARSELOCO_H, SPARSELOCO_TOPK, SHARED_RATIO = 5, 256, 1 / 32
+
+
+def _sparseloco(method, lr, params):
+    """SparseLoCo (``sparseloco[@H@TOPK]``) or its shared-mask variant (``sparseloco-shared[@H@RATIO[@BETA]]``)
+    around AdamW: ``(optimizer, None, traffic_fn)``."""
+    import torch
+
+    from slamb_comm.adapters.torch.sparseloco import SharedMaskSparseLoCo, SparseLoCo
+
+    base, *rest = method.split("@")
+    inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    H = int(rest[0]) if rest else SPARSELOCO_H
+    if base == "sparseloco":
+        opt = SparseLoCo(inner, sync_interval=H, topk=int(rest[1]) if len(rest) > 1 else SPARSELOCO_TOPK)
+    elif base == "sparseloco-shared":
+        opt = SharedMaskSparseLoCo(inner, sync_interval=H, ratio=float(rest[1]) if len(rest) > 1 else SHARED_RATIO,
+                                   beta=float(rest[2]) if len(rest) > 2 else 0.95)
+    else:
+        raise SystemExit(f"unknown method {method!r}; known: {list(METHODS)}")
+    return opt, None, opt.step_traffic
 
 
 def _averaging_v(opt, every):
@@ -317,6 +358,9 @@ def main(argv=None):
     ap.add_argument("--parallel", type=int, default=1, help="jobs at once")
     ap.add_argument("--timeout", type=int, default=1800, help="outer timeout of each run, seconds")
     ap.add_argument("--grid-size", type=int, default=3, help="the first K points of each method's lr grid")
+    ap.add_argument("--lr-grid", default=None,
+                    help="lrs that replace the grids: '0.002,0.004' for every method, or per method "
+                         "'adamw=0.004;sparseloco=0.004,0.008' (the others keep theirs)")
     ap.add_argument("--phase", choices=["sweep", "all"], default="all", help="sweep: seed 0's lr sweep only")
     ap.add_argument("--rerun", action="store_true")
     args = ap.parse_args(argv)
@@ -325,13 +369,22 @@ def main(argv=None):
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:  # variants of the sparse exchange: ratio K, sync interval H, at the base's best lr
         base, _, rest = m.partition("@")
-        if rest and base in ("slamb", "sadamw") and len(rest.split("@")) == 2:
+        if rest and base in ("slamb", "sadamw") and len(rest.split("@")) in (2, 3):
             METHODS[m] = ((0.01,) if base == "slamb" else (0.004,), "allreduce")
+        elif rest and base in ("sparseloco", "sparseloco-shared"):  # swept like their base method
+            METHODS[m] = METHODS[base]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     grid = {m: METHODS[m][0][:args.grid_size] for m in methods}
+    for part in (args.lr_grid or "").split(";"):
+        name, _, lrs = part.rpartition("=")
+        if name.strip() and name.strip() not in methods:
+            raise SystemExit(f"--lr-grid names {name.strip()!r}, which is not in --methods {methods}")
+        if lrs.strip():
+            for m in ([name.strip()] if name else methods):
+                grid[m] = tuple(float(v) for v in lrs.split(","))
     if all(len(g) == 1 for g in grid.values()) and args.phase == "all":  # nothing to sweep: every seed at once
         run_all([(m, grid[m][0], s) for m in methods for s in seeds], args)
     paths = run_all([(m, lr, seeds[0]) for m in methods for lr in grid[m]], args)

@@ -35,12 +35,12 @@ from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_e
 from .masks import BLOCK, check_block, make_mask
 from .onebit import OneBitExchange
 from .errors import (
+    collective_error,
     ConfigError,
     DTypeError,
     LayoutError,
     LayoutMismatchError,
     NonContiguousError,
-    NonFiniteError,
     STATUS_BAD_INPUT,
     STATUS_NON_FINITE,
     STATUS_OK,
@@ -319,21 +319,6 @@ class Communicator(ParameterSync, TopKExchange):
             return xp, None, e
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, codes, problem, what, tensors=()):
-        """Raise the right error on this rank, given every rank's status code."""
-        if problem is not None:
-            raise problem
-        bad = [r for r, c in enumerate(codes) if c == STATUS_BAD_INPUT]
-        if bad:
-            raise PeerError(f"{what}: rank(s) {bad} rejected their input (see their error); nothing was changed", bad)
-        nonfinite = [r for r, c in enumerate(codes) if c == STATUS_NON_FINITE]
-        where = f" in tensor(s) {list(tensors)}" if tensors else ""
-        if nonfinite:
-            msg = f"{what}: non-finite values (NaN/Inf) from rank(s) {nonfinite}{where}; nothing was changed"
-        else:
-            msg = f"{what}: the sum over ranks overflowed to Inf{where}; nothing was changed"
-        raise NonFiniteError(msg, nonfinite, tensors)
-
     def _codes(self, code):
         """Every rank's status code (used only on the failure path)."""
         mine = np.array([code], dtype=np.int32)
@@ -399,7 +384,7 @@ class Communicator(ParameterSync, TopKExchange):
             bad = _arr.to_host(~xp.isfinite(buf[:-1]))
             tensors = tuple(self.layout.names[i] for i, (s, c) in enumerate(zip(*spans))
                             if c and bad[s : s + c].any())
-        self._fail(codes, problem, what, tensors)
+        raise collective_error(codes, problem, what, tensors)
 
     # ------------------------------------------------------------------ operations
     def select(self, step, xp=np, views=None):

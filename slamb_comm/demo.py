@@ -29,7 +29,8 @@ import numpy as np
 
 from . import arrays as _arr
 from .codecs import Layout
-from .errors import (STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, LayoutError,
+from .errors import (
+    collective_error,STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, LayoutError,
                      LayoutMismatchError, NonFiniteError, PeerError)
 from .stats import Stats, Traffic, allgather_wire
 from .transports import LocalTransport
@@ -344,13 +345,8 @@ class DeMo:
     def _fail(self, codes, problem):
         """A step every rank gives up: this rank's own error, PeerError, or a non-finite step
         (raised, or skipped: counted and logged)."""
-        bad = [r for r, c in enumerate(codes) if c == STATUS_BAD_INPUT]
-        if problem is not None or bad:
-            raise problem or PeerError(f"DeMo: rank(s) {bad} rejected their input (see their error); nothing changed", bad)
-        nonfinite = [r for r, c in enumerate(codes) if c == STATUS_NON_FINITE]
-        e = NonFiniteError(f"DeMo: non-finite momentum or payload (NaN/Inf) on rank(s) {nonfinite}; nothing changed",
-                           nonfinite)
-        if self.on_nonfinite == "raise":
+        e = collective_error(codes, problem, "DeMo", nonfinite="non-finite momentum or payload (NaN/Inf)")
+        if self.on_nonfinite == "raise" or not isinstance(e, NonFiniteError):
             raise e
         self.skipped_steps += 1
         log.warning("slamb_comm: DeMo step %d skipped on every rank (%d so far): %s", self.t + 1, self.skipped_steps, e)

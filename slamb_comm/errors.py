@@ -19,6 +19,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_BAD_INPUT",
     "STATUS_NON_FINITE",
+    "collective_error",
 ]
 
 #: The status word every exchange's payload carries, summed or gathered with it: how each rank
@@ -77,3 +78,21 @@ class PeerError(SlambCommError):
     def __init__(self, message, ranks=()):
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+def collective_error(codes, problem, what, tensors=(), nonfinite="non-finite values (NaN/Inf)"):
+    """The error this rank raises after an exchange whose status words (``codes``, every rank's,
+    as gathered or summed) were not all :data:`STATUS_OK`: its own ``problem`` (its input was
+    bad), else :class:`PeerError` naming the ranks whose input was, else :class:`NonFiniteError`
+    naming the ranks with ``nonfinite`` values (none: the sum over ranks overflowed), in
+    ``tensors`` if given. Every rank gets the same verdict from the same codes."""
+    if problem is not None:
+        return problem
+    bad = [r for r, c in enumerate(codes) if c == STATUS_BAD_INPUT]
+    if bad:
+        return PeerError(f"{what}: rank(s) {bad} rejected their input (see their error); nothing was changed", bad)
+    ranks = [r for r, c in enumerate(codes) if c == STATUS_NON_FINITE]
+    where = f" in tensor(s) {list(tensors)}" if tensors else ""
+    if ranks:
+        return NonFiniteError(f"{what}: {nonfinite} from rank(s) {ranks}{where}; nothing was changed", ranks, tensors)
+    return NonFiniteError(f"{what}: the sum over ranks overflowed to Inf{where}; nothing was changed", ranks, tensors)

@@ -45,7 +45,7 @@ from . import arrays as _arr
 from . import device as _dev
 from . import onebit_kernels as _ok
 from .codecs import LazyTensors
-from .errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
+from .errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
 from .kernels import TILE
 from .stats import Traffic, allgather_wire, alltoall_wire
 
@@ -312,7 +312,7 @@ class OneBitExchange:
         codes1, codes2 = codes[:P], codes[P:]
         with comm.stats.failed(self.KIND, lambda: self._traffic(times.encode, times.comm, 0.0)):
             if any(codes1) or problem is not None:
-                comm._fail(codes1, problem, "onebit_allreduce")
+                raise collective_error(codes1, problem, "onebit_allreduce")
             if any(codes2):
                 bad = [r for r, v in enumerate(codes2) if v]
                 raise NonFiniteError(f"onebit_allreduce: the server scale of chunk(s) {bad} is not finite (beyond "

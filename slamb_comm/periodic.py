@@ -31,7 +31,7 @@ from .errors import ConfigError, LayoutError, LayoutMismatchError, NonContiguous
 from .stats import Traffic
 from .transports import LocalTransport
 
-__all__ = ["DiLoCo", "DesLoc", "DEFAULT_INTERVAL"]
+__all__ = ["Periodic", "DiLoCo", "DesLoc", "DEFAULT_INTERVAL", "check_interval", "check_number", "host_copy"]
 
 #: default number of inner steps between averages (the DiLoCo paper uses 500; see section 12)
 DEFAULT_INTERVAL = 50
@@ -44,7 +44,7 @@ def check_interval(name, value, fix):
     return int(value)
 
 
-def _check_number(name, value, ok, want, fix):
+def check_number(name, value, ok, want, fix):
     """``value`` as a float if it is a finite real number and ``ok(value)``, else a ConfigError
     naming ``name``, what it must be (``want``) and ``fix``."""
     real = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
@@ -53,11 +53,11 @@ def _check_number(name, value, ok, want, fix):
     return float(value)
 
 
-def _host_copy(a):
+def host_copy(a):
     return None if a is None else np.array(_arr.to_host(a), copy=True)
 
 
-class _Periodic:
+class Periodic:
     """What DiLoCo and DES-LOC share: the layout, the agreement, the broadcast, the step count."""
 
     kind = "periodic"
@@ -181,8 +181,25 @@ class _Periodic:
             raise ConfigError(f"saved step count must be an integer >= 0, got {t!r}")
         return int(t)
 
+    def _load_arrays(self, state, keys):
+        """Restore the step count and the fused arrays ``keys`` of :meth:`state_dict` output exactly,
+        onto the device of the current anchor (all checked before any is replaced)."""
+        t = self._load_base(state)
+        new = []
+        for key in keys:
+            v = np.asarray(state[key])
+            if v.shape != (self.layout.total,) or v.dtype != self.dtype:
+                raise LayoutMismatchError(f"saved {key} is {v.dtype.name}{list(v.shape)}, expected "
+                                          f"{self.dtype.name}[{self.layout.total}]")
+            new.append(v)
+        xp = _arr.namespace(self.anchor)
+        with _arr.device_scope(self.anchor):
+            for key, v in zip(keys, new):
+                setattr(self, key, xp.array(v, copy=True))
+        self.t = t
 
-class DiLoCo(_Periodic):
+
+class DiLoCo(Periodic):
     """DiLoCo's outer loop on a fixed list of arrays (docs/algorithm.md section 12).
 
     Call :meth:`step` on every rank after every inner step. At steps t with
@@ -218,9 +235,9 @@ class DiLoCo(_Periodic):
         def check():
             self.sync_interval = check_interval("sync_interval", sync_interval,
                                                 f"the paper uses 500, this library's default is {DEFAULT_INTERVAL}")
-            self.outer_lr = _check_number("outer_lr", outer_lr, lambda v: v > 0, "a finite number > 0",
+            self.outer_lr = check_number("outer_lr", outer_lr, lambda v: v > 0, "a finite number > 0",
                                           "the paper uses 0.7 (1 with outer_momentum=0 is plain averaging)")
-            self.outer_momentum = _check_number("outer_momentum", outer_momentum, lambda v: 0 <= v < 1,
+            self.outer_momentum = check_number("outer_momentum", outer_momentum, lambda v: 0 <= v < 1,
                                                 "a number in [0, 1)", "the paper uses 0.9; 0 gives plain outer SGD")
 
         def options():
@@ -274,26 +291,15 @@ class DiLoCo(_Periodic):
 
     def state_dict(self):
         """The step count, anchor and outer momentum (host copies; equal on every rank)."""
-        return dict(self._base_state(), anchor=_host_copy(self.anchor), momentum=_host_copy(self.momentum))
+        return dict(self._base_state(), anchor=host_copy(self.anchor), momentum=host_copy(self.momentum))
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly (onto the device of the current anchor). The
         options are this object's; x is the caller's to restore."""
-        t = self._load_base(state)
-        new = []
-        for key in ("anchor", "momentum"):
-            v = np.asarray(state[key])
-            if v.shape != (self.layout.total,) or v.dtype != self.dtype:
-                raise LayoutMismatchError(f"saved {key} is {v.dtype.name}{list(v.shape)}, expected "
-                                          f"{self.dtype.name}[{self.layout.total}]")
-            new.append(v)
-        xp = _arr.namespace(self.anchor)
-        with _arr.device_scope(self.anchor):
-            self.anchor, self.momentum = (xp.array(v, copy=True) for v in new)
-        self.t = t
+        self._load_arrays(state, ("anchor", "momentum"))
 
 
-class DesLoc(_Periodic):
+class DesLoc(Periodic):
     """DES-LOC's averaging on a fixed list of arrays (docs/algorithm.md section 12).
 
     Call :meth:`step` on every rank after every inner (Adam-family) step, with the parameters

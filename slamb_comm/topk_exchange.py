@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays as _arr
-from .errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
+from .errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
 from .codecs import LazyTensors, topk_indices
 from .stats import Traffic, allgather_wire
 
@@ -72,7 +72,7 @@ class TopKExchange:
             codes = _arr.to_host(recv[:, :4].copy().view(np.int32)).ravel().tolist()  # the one host read
             if any(codes):
                 with self.stats.failed("sparse_allgather", lambda: self._topk_traffic(t1 - t0, t2 - t1, 0.0)):
-                    self._fail(codes, problem, "sparse_allgather")
+                    raise collective_error(codes, problem, "sparse_allgather")
             out = self._decode_host(recv) if xp is np else w.device(xp).decode(recv, self.size)
             self._uncommitted = _Pending(xp, views, send, c)
             if commit:

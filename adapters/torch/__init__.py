@@ -28,6 +28,10 @@ module                     what it holds
                            for another number of ranks (Lightning, the Trainer, Accelerate)
 ``averaging``              :func:`averaged_state_dict` (the mean of the replicas, for saving)
                            and :func:`traffic_metrics` (a step's bytes as logger metrics)
+``periodic``               :class:`DiLoCo`, :class:`DesLoc` and their base ``OuterLoop``
+                           (periodic averaging around any torch optimizer)
+``sparseloco``             :class:`SparseLoCo`, :class:`SharedMaskSparseLoCo` (on ``OuterLoop``)
+``demo``                   :class:`DeMo`, the DCT top-k momentum optimizer
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
@@ -69,7 +73,8 @@ from .distributed import DistributedOptimizer
 from .onebit_lamb import OneBitLAMB
 from .periodic import DesLoc, DiLoCo
 from .slamb import LAMB, SLAMB, SAdamW
+from .sparseloco import SharedMaskSparseLoCo, SparseLoCo
 
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",
-           "averaged_state_dict", "traffic_metrics"]
+           "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo"]

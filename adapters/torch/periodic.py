@@ -24,7 +24,7 @@ from slamb_comm.transports import LocalTransport
 from .collectives import TorchTransport
 from .tensors import as_compute, cuda_scope, state_dtype
 
-__all__ = ["DiLoCo", "DesLoc"]
+__all__ = ["OuterLoop", "DiLoCo", "DesLoc"]
 
 
 def _transport(process_group):
@@ -76,9 +76,10 @@ def _to_numpy(state):
     return {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-class _Wrapper(torch.optim.Optimizer):
+class OuterLoop(torch.optim.Optimizer):
     """A torch optimizer that shares the wrapped one's ``param_groups`` and ``state`` (so LR
-    schedulers and ``zero_grad`` act on it) and runs the periodic work after its ``step``."""
+    schedulers and ``zero_grad`` act on it) and runs a core's outer step after its ``step``: the
+    base of :class:`DiLoCo`, :class:`DesLoc` and :mod:`.sparseloco`'s optimizers."""
 
     method = None
 
@@ -144,8 +145,22 @@ class _Wrapper(torch.optim.Optimizer):
         """The wrapped optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The inner optimizer's step, then (every ``sync_interval`` steps, on every rank) the outer step."""
+        loss = self.optimizer.step(closure)
+        for b in self._buckets:
+            if not b.core.due():
+                b.core.step(None)
+                continue
+            comp = b.computes(b.params)
+            with cuda_scope(b.device):
+                b.core.step(b.arrays(comp))
+            b.write_back(b.params, comp)
+        return loss
 
-class DiLoCo(_Wrapper):
+
+class DiLoCo(OuterLoop):
     """DiLoCo (Douillard et al. 2023) around any torch optimizer (docs/algorithm.md section 12).
 
     Every rank steps its own ``optimizer`` (the inner one, e.g. AdamW) with no communication.
@@ -178,22 +193,8 @@ class DiLoCo(_Wrapper):
             t, arrays, sync_interval=sync_interval, outer_lr=outer_lr, outer_momentum=outer_momentum,
             value_dtype=value_dtype, names=names))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """The inner optimizer's step, then (every ``sync_interval`` steps, on every rank) the outer step."""
-        loss = self.optimizer.step(closure)
-        for b in self._buckets:
-            if not b.core.due():
-                b.core.step(None)
-                continue
-            comp = b.computes(b.params)
-            with cuda_scope(b.device):
-                b.core.step(b.arrays(comp))
-            b.write_back(b.params, comp)
-        return loss
 
-
-class DesLoc(_Wrapper):
+class DesLoc(OuterLoop):
     """DES-LOC (Iacob et al., ICLR 2026) around an Adam-family torch optimizer (docs/algorithm.md section 12).
 
     Every rank steps its own ``optimizer`` with no communication; the parameters are averaged
