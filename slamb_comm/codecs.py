@@ -17,6 +17,7 @@ communicator strings these together with a transport. The masks M_t live in
 
 import hashlib
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from .errors import ConfigError, DTypeError
 __all__ = [
     "DATA_DTYPES",
     "Layout",
+    "Shard",
     "check_ratio",
     "k_elems",
     "topk_indices",
@@ -58,6 +60,14 @@ def k_elems(ratio, n):
     return max(1, min(n, int(round(ratio * n))))
 
 
+class Shard(NamedTuple):
+    """Where a rank's piece of a sharded tensor lies: elements ``[start, start + size)`` of the
+    whole tensor of shape ``shape``, in row-major order (FSDP2's ``Shard(0)`` pieces are such runs)."""
+
+    shape: tuple
+    start: int
+
+
 class Layout:
     """A fixed list of tensors fused into one contiguous 1-D buffer.
 
@@ -67,14 +77,19 @@ class Layout:
         names: optional names (default ``"0"``, ``"1"``, ...), used in error messages.
         dense_threshold: tensors with ndim <= 1 or fewer elements than this are always
             sent whole by masked exchanges (docs/algorithm.md section 1).
+        shards: for sharded tensors (docs/algorithm.md section 15), one :class:`Shard` per
+            tensor: the tensors are pieces of whole tensors, the always-dense rule reads the
+            whole tensors' shapes, and the cyclic mask numbers its units over the whole
+            tensors, so a rank's M_t is the unsharded M_t restricted to its pieces.
 
     Attributes:
         sizes, offsets: element counts and start offsets of each tensor in the buffer.
         total: the buffer's element count.
         dense: per tensor, whether the always-dense rule applies.
+        shards: the :class:`Shard` of each tensor, or None (whole tensors).
     """
 
-    def __init__(self, shapes, dtype="float32", names=None, dense_threshold=9000):
+    def __init__(self, shapes, dtype="float32", names=None, dense_threshold=9000, shards=None):
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         dt = np.dtype(dtype)
         if dt.name not in DATA_DTYPES:
@@ -91,7 +106,9 @@ class Layout:
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
         self.total = self.offsets.pop()
-        self.dense = [len(s) <= 1 or n < self.dense_threshold for s, n in zip(self.shapes, self.sizes)]
+        self.shards = _check_shards(shards, self.sizes, self.names)
+        whole = self.shapes if self.shards is None else [sh.shape for sh in self.shards]
+        self.dense = [len(s) <= 1 or math.prod(s) < self.dense_threshold for s in whole]
         self.index_dtype = np.dtype(np.int32 if self.total < 2**31 else np.int64)
         self.compressible = [i for i, d in enumerate(self.dense) if not d and self.sizes[i]]
 
@@ -131,7 +148,8 @@ class Layout:
 
     def digest(self, *extra):
         """A 16-byte fingerprint of the layout plus ``extra`` options, for cross-rank checks."""
-        h = hashlib.sha256(repr((self.shapes, self.dtype.name, self.dense_threshold, extra)).encode())
+        pieces = () if self.shards is None else (self.shards,)  # whole tensors: the digest as before
+        h = hashlib.sha256(repr((self.shapes, self.dtype.name, self.dense_threshold, *pieces, extra)).encode())
         return h.digest()[:16]
 
     def views(self, flat):
@@ -145,6 +163,20 @@ class Layout:
     def segments(self):
         """``(offset, size)`` of every tensor."""
         return list(zip(self.offsets, self.sizes))
+
+
+def _check_shards(shards, sizes, names):
+    """``shards`` as a list of :class:`Shard` (or None), each piece inside its whole tensor."""
+    if shards is None:
+        return None
+    shards = [Shard(tuple(int(d) for d in sh[0]), int(sh[1])) for sh in shards]
+    if len(shards) != len(sizes):
+        raise ConfigError(f"{len(shards)} shards for {len(sizes)} tensors")
+    for sh, n, name in zip(shards, sizes, names):
+        if sh.start < 0 or sh.start + n > math.prod(sh.shape):
+            raise ConfigError(f"tensor {name!r}: a piece of {n} elements at {sh.start} does not fit in "
+                              f"its whole tensor of shape {list(sh.shape)}")
+    return shards
 
 
 def topk_indices_reference(x, k):

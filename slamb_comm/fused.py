@@ -28,7 +28,8 @@ per tensor, built from a fused buffer, a list of arrays, or an adapter's :class:
 copied to the device only when an address changes.
 
 Where this path does not apply the step goes tensor by tensor (:func:`applies`): NumPy arrays,
-the bernoulli and topk masks, ``block > 1``, more than :data:`MAX_LEVELS` ratio changes within one
+the bernoulli and topk masks, ``block > 1``, sharded tensors (the norms' sum over the shard
+group), more than :data:`MAX_LEVELS` ratio changes within one
 cycle, and tensors that once skipped a step (their freshness is stored, not derived).
 """
 
@@ -51,7 +52,8 @@ MAX_LEVELS = 4
 def applies(slamb, x, g, xp, skip):
     """Whether :class:`DeviceStep` can take this step (see the module docstring)."""
     mask = slamb.comm.mask
-    if slamb.fused is False or xp is np or skip or slamb.has_stored_freshness or len(slamb.layout) == 0:
+    if (slamb.fused is False or xp is np or skip or slamb.has_stored_freshness or len(slamb.layout) == 0
+            or slamb.shard_group is not None):
         return False
     return (mask.kind == "cyclic" and mask.block == 1
             and (mask.settled(slamb.t + 1) or len(mask.levels()) <= MAX_LEVELS))

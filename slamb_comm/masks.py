@@ -264,6 +264,9 @@ class CyclicMask(_Mask):
         self._key = _mix((self.seed + _G1) & _M64)
         B = self.block
         self._geo = {}
+        if layout.shards is not None:
+            self._geo, self.units = self._sharded(layout, C), None
+            return
         q, last_run = 0, -1
         for i in layout.compressible:
             o, n = layout.offsets[i], layout.sizes[i]
@@ -272,6 +275,22 @@ class CyclicMask(_Mask):
             q, last_run = qs + (r1 - r0) + 1, r1
             self._geo[i] = _Geometry(o, n, B, C, qs, self._key)
         self.units = q
+
+    def _sharded(self, layout, C):
+        """Pieces of whole tensors (``layout.shards``): units are the whole tensors' compressible
+        elements in order, so a piece's units are those of its elements in the whole tensor and
+        its picks are the unsharded mask's, restricted to it (needs ``block == 1``)."""
+        if self.block != 1:
+            raise ConfigError(f"block={self.block}: sharded tensors take the cyclic mask with block=1 "
+                              "(runs of the fused buffer would differ between shardings)")
+        geo, base = {}, 0
+        for i, (sh, dense) in enumerate(zip(layout.shards, layout.dense)):
+            if dense:
+                continue
+            if layout.sizes[i]:
+                geo[i] = _Geometry(layout.offsets[i], layout.sizes[i], 1, C, base + sh.start, self._key)
+            base += math.prod(sh.shape)
+        return geo
 
     def chunk(self, step):
         return (int(step) - self.origin - 1) % self.num_chunks
@@ -477,4 +496,7 @@ def make_mask(kind, layout, ratio, seed, block=1, schedule=None):
         return mask
     if check_block(block) != 1:
         raise ConfigError(f"block={block} applies to the cyclic mask only, not {kind!r}")
+    if layout.shards is not None:
+        raise ConfigError(f"the {kind!r} mask draws its positions per piece, so shards of one tensor would not "
+                          "pick the unsharded positions: sharded tensors take mask='cyclic'")
     return _MASKS[kind](layout, ratio, seed)

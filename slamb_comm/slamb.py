@@ -90,6 +90,14 @@ class SlambRule(TensorwiseStep):
             options above; a ConfigError on every rank names the ranks that differ. A caller
             whose options are unified later (Horovod's ``broadcast_optimizer_state``) passes
             False and calls :meth:`agree_options` before the first step instead.
+        shard_group: for sharded tensors (a layout with ``shards``; docs/algorithm.md section
+            15): a transport over the ranks that hold the other pieces of the same tensors (the
+            shard group of an HSDP mesh), while ``comm``'s transport spans the replicas of this
+            rank's pieces. Each step then sums every tensor's squared norms over the shard group
+            (4 floats per tensor) so that the trust ratios are the whole tensors', and agrees on a
+            non-finite step over it; ``P`` in the stale rate is the number of replicas. Tensor
+            by tensor on every device (the kernels of :mod:`slamb_comm.fused` do not sum over a
+            group yet).
 
     One whole step is :meth:`step`. For overlapping communication with the backward
     pass it is also offered in pieces: :meth:`begin_step`; :meth:`accumulate` per tensor as
@@ -112,10 +120,16 @@ class SlambRule(TensorwiseStep):
         c_max=1000.0,
         on_nonfinite="skip",
         check_options=True,
+        shard_group=None,
     ):
         self.comm = comm
         self.layout = comm.layout
         _check_options(comm.layout, betas, beta3, sync_interval, c_min, c_max, eps, on_nonfinite)
+        if (shard_group is None) != (comm.layout.shards is None):
+            raise ConfigError("a layout of shards (Layout(..., shards=...)) and shard_group= go together: pass the "
+                              "transport over the ranks holding the other pieces, or build the layout of whole tensors")
+        #: the transport over the other pieces' ranks (sharded tensors), or None
+        self.shard_group = shard_group
         self.betas = tuple(float(b) for b in betas)
         self.eps = float(eps)
         self.beta3 = float(beta3)
@@ -364,7 +378,26 @@ class SlambRule(TensorwiseStep):
         except Exception:
             self.abort_step()
             raise
-        self.exchange(g)
+        if self.shard_group is None:
+            self.exchange(g)
+            return
+        try:
+            self.exchange(g)
+        except NonFiniteError as e:
+            self._shards_agree(e)
+            raise
+        self._shards_agree(None)
+
+    def _shards_agree(self, failed):
+        """Sharded tensors: the shard group learns whether any of its replica groups failed the exchange
+        (one allreduce of one float), so that every rank skips the step or none does. ``failed``: this
+        rank's NonFiniteError (its step is already aborted), or None."""
+        word = np.array([0.0 if failed is None else 1.0])
+        self.shard_group.allreduce(word)
+        if failed is None and word[0] > 0:
+            self.abort_step()
+            raise NonFiniteError(f"SLAMB momentum exchange at step {self.t + 1}: non-finite values in another "
+                                 "shard group's exchange (this rank's pieces were finite)", [], [])
 
     def apply_step(self, x, g, lr=None, weight_decay=None, written=None, skip=()):
         """The second half of :meth:`step`, after :meth:`exchange_step`: the update of ``x`` and the

@@ -40,6 +40,15 @@ class _TensorViews(NamedTuple):
     everything: bool
 
 
+class _Commit(NamedTuple):
+    """A tensor whose moments are committed and whose update is still to come (pass 1 done)."""
+
+    tv: _TensorViews
+    sums: tuple  # (||x||^2, ||w||^2, ||x_S||^2, ||w_S||^2) of this rank's piece
+    s_u: float  # u = s_u w
+    wd_w: float  # the weight decay on x inside w
+
+
 class TensorwiseStep:
     """The tensor-by-tensor step of :class:`~slamb_comm.slamb.SlambRule` (a base class: it uses the
     state and options that ``SlambRule`` holds)."""
@@ -262,9 +271,38 @@ class TensorwiseStep:
         xv, gv = _views(lay, x), _views(lay, grads)
         means, scale = self._means(means)
         F = [self.beta3 ** s for s in comm.mask.staleness(t)] if self.derived else None
-        xp = None
         sync = (t - 1) % self.sync_interval == 0 and comm.size > 1
         bad = False  # whether some updated parameter is not finite, from the update's own pass on sync steps
+        opened = []  # sharded tensors: every tensor's moments first, then the whole tensors' norms, then the updates
+        for i, xi, gi in self._inputs(lay, xv, gv, written, skip):
+            xp = _arr.namespace(xi)
+            with _arr.device_scope(xi):
+                c = self._commit(xp, i, xi, gi, means[i], scale, t, wd[i])
+                if self.shard_group is not None:
+                    opened.append(c)
+                    continue
+                fin = self._move(xp, c, t, c.sums, lr[i], F, sync)
+            if sync:
+                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
+            if written is not None:
+                written(i)
+        for c, sums in zip(opened, self._whole_sums(opened)):
+            xp = _arr.namespace(c.tv.x)
+            with _arr.device_scope(c.tv.x):
+                self._direction(xp, c)  # the scratch w held the last tensor's: formed again from m, v, x
+                fin = self._move(xp, c, t, sums, lr[c.tv.i], F, sync)
+            if sync:
+                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
+            if written is not None:
+                written(c.tv.i)
+        self.end_step(t)  # before the sync, which may raise (then on every rank alike)
+        if sync:
+            comm.sync(x, written=written, bad=bad)
+        return x
+
+    def _inputs(self, lay, xv, gv, written, skip):
+        """``(i, x_i, g_i)`` of the tensors this step updates, checked; empty and skipped tensors are
+        reported ``written`` at once (a skipped one keeps its freshness, see :meth:`apply`)."""
         for i in range(len(lay)):
             n = lay.sizes[i]
             if n == 0:
@@ -272,9 +310,8 @@ class TensorwiseStep:
                     written(i)
                 continue
             xi, gi = xv[i], gv[i]
-            if xp is None:
-                xp = _arr.namespace(xi)
-                self._ensure_state(xp, xi)
+            xp = _arr.namespace(xi)
+            self._ensure_state(xp, xi)
             if xi.dtype != lay.dtype or xi.size != n:
                 raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
                                   f"expected {n} {lay.dtype.name}")
@@ -283,16 +320,23 @@ class TensorwiseStep:
                 if written is not None:
                     written(i)
                 continue
-            with _arr.device_scope(xi):
-                fin = self._tensor(xp, i, xi, gi, means[i], scale, t, lr[i], wd[i], F, sync)
-            if sync:
-                bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
-            if written is not None:
-                written(i)
-        self.end_step(t)  # before the sync, which may raise (then on every rank alike)
-        if sync:
-            comm.sync(x, written=written, bad=bad)
-        return x
+            yield i, xi, gi
+
+    def _whole_sums(self, opened):
+        """Sharded tensors: each opened tensor's four squared norms summed over the shard group
+        (one allreduce of 4 floats per tensor of the layout; a rank holding no piece of a tensor
+        sends zeros), as ``(||x||^2, ||w||^2, ||x_S||^2, ||w_S||^2)`` of the whole tensor."""
+        group = self.shard_group
+        if group is None:
+            return []
+        xp = self._xp or np
+        sums = xp.zeros((len(self.layout), 4), np.float64)
+        for c in opened:
+            sums[c.tv.i] = xp.stack([xp.asarray(v, np.float64) for v in c.sums]) if xp is not np else c.sums
+        group.allreduce(sums.reshape(-1))
+        if xp is np:
+            return [tuple(float(v) for v in sums[c.tv.i]) for c in opened]
+        return [tuple(sums[c.tv.i, k] for k in range(4)) for c in opened]
 
     def _means(self, means):
         """Per tensor, the summed (after :meth:`exchange`) or averaged (the caller's ``means``)
@@ -314,14 +358,14 @@ class TensorwiseStep:
             with _arr.device_scope(like):
                 self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
 
-    def _tensor(self, xp, i, x, g, mean, scale, t, lr, wd, F, check=False):
-        """Commit tensor i's moments and update its parameters, in two blocked passes.
+    def _commit(self, xp, i, x, g, mean, scale, t, wd):
+        """Pass 1 of tensor i (:meth:`_moments_pass`): its moments committed, the direction in the
+        scratch w, its squared norms. Returns the :class:`_Commit` that :meth:`_move` finishes.
 
         The direction is kept as ``w = m / (sqrt(v) + eps sqrt(1-b2^t)) + (wd / s) x`` with
         ``u = s w`` and ``s = sqrt(1-b2^t) / (1-b1^t)``: the same u as the formula (exact
         algebra, two fewer passes); s enters the trust ratios' norms and the update's
-        coefficients instead. With ``check``, returns whether the updated tensor is finite
-        (its squared norm, from the update's pass)."""
+        coefficients instead."""
         lay = self.layout
         o, n = lay.offsets[i], lay.sizes[i]
         picks = self.picks(i, xp)
@@ -333,12 +377,36 @@ class TensorwiseStep:
                           picks=picks, ranges=ranges, everything=picks.kind == "all")
         b1, b2 = self.betas
         s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-        xx, ww, xs, ws = self._moments_pass(xp, tv, mean, scale, t, wd / s_u)
-        s2 = s_u * s_u
+        sums = self._moments_pass(xp, tv, mean, scale, t, wd / s_u)
+        return _Commit(tv=tv, sums=sums, s_u=s_u, wd_w=wd / s_u)
+
+    def _move(self, xp, c, t, sums, lr, F, check=False):
+        """Pass 2 of a committed tensor: the trust ratios from the squared norms ``sums`` (the
+        piece's own, or the whole tensor's when sharded), then the update of x (with ``check``:
+        returns whether the updated tensor is finite, from the update's pass)."""
+        xx, ww, xs, ws = sums
+        s2 = c.s_u * c.s_u
         phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
         # x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
-        rate_s, rate_a = lr * s_u * phi_s, lr * s_u / math.sqrt(self.comm.size) * phi_a
-        return self._update_pass(xp, tv, t, rate_s, rate_a, F, check)
+        rate_s, rate_a = lr * c.s_u * phi_s, lr * c.s_u / math.sqrt(self.comm.size) * phi_a
+        return self._update_pass(xp, c.tv, t, rate_s, rate_a, F, check)
+
+    def _direction(self, xp, c):
+        """The direction w of a committed tensor formed again, in the scratch w, from its committed
+        m and v and its x (the same operations as :meth:`_moments_pass`, so the same bits)."""
+        tv, dtype = c.tv, self.layout.dtype
+        dt = dtype.type
+        c_eps, c_wd = dt(self.eps * math.sqrt(1.0 - self.betas[1] ** self._open())), dt(c.wd_w)
+        for r in tv.ranges:
+            lo, hi = r[0], r[1]
+            wb = tv.w[lo:hi]
+            xp.sqrt(tv.v[lo:hi], out=wb)
+            wb += c_eps
+            xp.divide(tv.m[lo:hi], wb, out=wb)
+            if c_wd:
+                tmp = tv.tmp[: hi - lo]
+                xp.multiply(tv.x[lo:hi], c_wd, out=tmp)
+                xp.add(wb, tmp, out=wb)
 
     def _moments_pass(self, xp, tv, mean, scale, t, wd_w):
         """Pass 1 over tensor ``tv``: the moments (in place: the exchange succeeded), M_t's means,

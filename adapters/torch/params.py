@@ -15,7 +15,7 @@ import torch
 
 from slamb_comm.errors import LayoutError
 
-from .tensors import np_dtype, state_dtype
+from .tensors import local_of, np_dtype, state_dtype
 
 __all__ = ["check_named_parameters", "param_changed", "params_changed", "saved_state_by_param", "Engine", "EngineKey",
            "run_closure"]
@@ -66,7 +66,8 @@ def check_named_parameters(named_parameters, param_groups):
 def param_changed(p, name, shape, dtype):
     """A :class:`LayoutError` if parameter ``p`` (or its gradient) no longer fits the bucket it
     was built into (``shape``, compute ``dtype``), else None."""
-    now = tuple(p.shape) if tuple(p.shape) != shape or p.grad is None else tuple(p.grad.shape)
+    mine, grad = local_of(p), None if p.grad is None else local_of(p.grad)  # a DTensor's piece (FSDP2)
+    now = tuple(mine.shape) if tuple(mine.shape) != shape or grad is None else tuple(grad.shape)
     if now != shape:
         return LayoutError(f"parameter {name!r} changed shape after the optimizer was built: "
                            f"was {shape}, is now {now}")

@@ -21,7 +21,7 @@ from slamb_comm.transports import LocalTransport
 from .flat import Flat, wants_flat
 from .options import check_group, knobs_of, layout_knobs
 from .params import Engine, EngineKey, param_changed, run_closure, saved_state_by_param
-from .tensors import Grads, Params, as_compute, cuda_scope, state_dtype, tensor_of
+from .tensors import Grads, Params, as_compute, cuda_scope, is_dtensor, state_dtype, tensor_of
 
 __all__ = ["SLAMB", "SAdamW"]
 
@@ -104,6 +104,9 @@ class SLAMB(torch.optim.Optimizer):
         transport, names, build: what :func:`~slamb_comm.adapters.torch.DistributedOptimizer`
             passes (the ranks' transport; ``id(parameter) -> name``; build the buckets now or
             let the wrapper build them); leave them out in one process.
+        sharding: what :class:`~slamb_comm.adapters.torch.HybridSLAMB` passes for FSDP2's
+            parameters (where each parameter's piece lies and the transport over the other
+            pieces' ranks: :class:`~slamb_comm.adapters.torch.fsdp.MeshSharding`).
 
     Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
     (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
@@ -155,6 +158,7 @@ class SLAMB(torch.optim.Optimizer):
         transport=None,
         names=None,
         build=True,
+        sharding=None,
     ):
         if fused not in (None, True, False):
             raise ConfigError(f"fused must be None (flat buffers on CUDA only), True or False, got {fused!r}")
@@ -171,6 +175,7 @@ class SLAMB(torch.optim.Optimizer):
             check_group(g)
         self._slamb_transport = transport
         self._slamb_names = names
+        self._sharding = sharding
         if build:
             self._build_engines()
 
@@ -217,19 +222,34 @@ class SLAMB(torch.optim.Optimizer):
             ]
             e = Engine(key, params, groups, names, state_dtype(params[0].dtype))
             g0 = groups[0]
-            layout = Layout([tuple(p.shape) for p in params], e.np_dtype, names=names,
-                            dense_threshold=int(g0["dense_threshold"]))
+            layout = self._layout(e, int(g0["dense_threshold"]))
             e.comm = Communicator(transport, layout, ratio=g0["ratio"], mask=g0["mask"], block=e.key.knobs.comm.block,
                                   value_dtype=g0["value_dtype"], seed=g0["seed"])
             e.rule = SlambRule(e.comm, lr=[float(g["lr"]) for g in groups], betas=g0["betas"], eps=g0["eps"],
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
-                           on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None)
-            e.flat = Flat(e) if wants_flat(self._fused, params[0].device) else None
+                           on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None,
+                           shard_group=None if self._sharding is None else self._sharding.group)
+            e.flat = Flat(e) if wants_flat(self._fused, params[0].device) and self._sharding is None else None
             e.rule.fused = e.flat is not None
             self._import_state(e, {p: saved[p] for p in params if p in saved})
             engines.append(e)
         self._engines = self._built = engines
+
+    def _layout(self, e, dense_threshold):
+        """The fused layout of bucket ``e``: its parameters' shapes, or with FSDP2's parameters
+        (``sharding``) their pieces' shapes, each with the whole tensor it is a piece of."""
+        if self._sharding is None:
+            for p, name in zip(e.params, e.names):
+                if is_dtensor(p):
+                    raise ConfigError(f"parameter {name!r} is a DTensor ({list(p.placements)}): SLAMB needs whole "
+                                      "tensors; for a model sharded by FSDP2's fully_shard use "
+                                      "slamb_comm.adapters.torch.HybridSLAMB(params, mesh)")
+            return Layout([tuple(p.shape) for p in e.params], e.np_dtype, names=e.names,
+                          dense_threshold=dense_threshold)
+        pieces = [self._sharding.piece(p, name) for p, name in zip(e.params, e.names)]
+        return Layout([pc.local_shape for pc in pieces], e.np_dtype, names=e.names, dense_threshold=dense_threshold,
+                      shards=[pc.shard for pc in pieces])
 
     def _ensure_engines(self):
         if not isinstance(self._engines, list):

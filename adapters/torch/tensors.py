@@ -15,7 +15,18 @@ import torch
 from slamb_comm import arrays as _arr
 
 __all__ = ["torch_view", "tensor_of", "state_dtype", "np_dtype", "torch_dtype", "as_compute", "cuda_scope",
-           "Params", "Grads"]
+           "local_of", "is_dtensor", "Params", "Grads"]
+
+
+def is_dtensor(t):
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients)."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local_of(t):
+    """This rank's piece of ``t``: ``t.to_local()`` for a DTensor (a view of its storage: an in-place
+    update of it updates the DTensor), ``t`` itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def torch_view(buf):
@@ -91,7 +102,7 @@ class Params:
     def __getitem__(self, i):
         x = self._copy.get(i)
         if x is None:
-            p = self.e.params[i]
+            p = local_of(self.e.params[i])
             x = as_compute(p, self.e.dtype)
             if x.data_ptr() != p.data_ptr():
                 self._copy[i] = x
@@ -100,7 +111,7 @@ class Params:
     def written(self, i):
         x = self._copy.pop(i, None)
         if x is not None:
-            self.e.params[i].data.copy_(x)
+            local_of(self.e.params[i]).data.copy_(x)
 
 
 class Grads:
@@ -114,7 +125,8 @@ class Grads:
         return len(self.e.params)
 
     def __getitem__(self, i):
-        p = self.e.params[i]
-        if p.grad is None:
+        p = local_of(self.e.params[i])
+        g = self.e.params[i].grad
+        if g is None:
             return _arr.as_array(torch.zeros(p.shape, dtype=self.e.dtype, device=p.device))
-        return _arr.as_array(as_compute(p.grad, self.e.dtype))
+        return _arr.as_array(as_compute(local_of(g), self.e.dtype))

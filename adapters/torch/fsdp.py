@@ -1,0 +1,144 @@
+"""SLAMB across the replicas of a model sharded by FSDP2: dense inside a shard group, sparse between
+replicas (HSDP's layout, with SLAMB's exchange where HSDP's gradient allreduce was).
+
+HSDP runs on a 2-D mesh ``(replicate, shard)``: FSDP2 reduce-scatters each gradient inside a shard
+group (fast links) and all-reduces every gradient piece across the replicas (the slow links between
+nodes). :class:`HybridSLAMB` keeps the first and replaces the second: shard the model over the
+mesh's ``"shard"`` dimension only, so FSDP2 does no replica allreduce, and the optimizer exchanges
+the momentum of each rank's pieces with their replicas, sparsely::
+
+    mesh = init_device_mesh("cuda", (R, S), mesh_dim_names=("replicate", "shard"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["shard"])      # HSDP would pass mesh=mesh
+    fully_shard(model, mesh=mesh["shard"])
+    opt = HybridSLAMB(model.parameters(), mesh, lr=..., ratio=0.1)
+
+What it computes is SLAMB at R ranks on the whole tensors (docs/algorithm.md section 15): each
+rank's mask is the unsharded mask restricted to its pieces, the trust ratios are the whole tensors'
+(four squared norms per tensor summed over the shard group), ``P`` is R, the periodic sync
+averages each piece over its replicas. At construction every piece is broadcast from replica 0
+(DDP's rule: replicas start equal).
+
+Supported: a 2-D mesh (replicas, pieces) and parameters that ``fully_shard`` cut on dimension 0
+over its second dimension. Pure FSDP (a 1-D mesh: no replicas, nothing to exchange), parameters
+sharded over the whole 2-D mesh (FSDP2's own dense replica allreduce), other placements
+(``shard_placement_fn``, tensor parallel) and other mesh shapes raise a ConfigError naming this.
+Not yet: the exchange from FSDP2's all-reduce hook (it runs in ``step()``, after the backward pass),
+the device kernels (the step goes tensor by tensor), ``torch.distributed.checkpoint`` of the
+optimizer (``state_dict()`` is this rank's pieces' state: save one file per rank).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from slamb_comm.codecs import Shard
+from slamb_comm.errors import ConfigError
+
+from .collectives import TorchTransport
+from .params import run_closure
+from .slamb import SLAMB
+from .tensors import is_dtensor, local_of
+
+__all__ = ["HybridSLAMB", "MeshSharding", "Piece"]
+
+
+class Piece(NamedTuple):
+    """One parameter's piece on this rank: its local shape and where it lies in the whole tensor."""
+
+    local_shape: tuple
+    shard: Shard
+
+
+class MeshSharding:
+    """A 2-D device mesh read as (replicas, pieces): the transports over each dimension and, per
+    parameter, the piece this rank holds. ``replicate`` and ``shard`` name the mesh's dimensions."""
+
+    def __init__(self, mesh, replicate="replicate", shard="shard"):
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim == 1:
+            raise ConfigError(
+                f"a 1-D mesh {names or ''} is pure FSDP: every rank holds one piece and there are no replicas to "
+                "exchange with. HybridSLAMB needs a 2-D mesh init_device_mesh(device, (R, S), mesh_dim_names="
+                "('replicate', 'shard')) with the model sharded by fully_shard(module, mesh=mesh['shard'])")
+        if mesh.ndim != 2 or names != (replicate, shard):
+            raise ConfigError(
+                f"HybridSLAMB takes a 2-D mesh with dimensions ({replicate!r}, {shard!r}); got {mesh.ndim}-D "
+                f"{names}. Meshes with other dimensions (tensor or context parallel) are not supported yet; "
+                "pass replicate= and shard= if your dimensions have other names")
+        self.mesh, self.shard_mesh = mesh, mesh[shard]
+        self.replicas_group, self.pieces_group = mesh[replicate].get_group(), self.shard_mesh.get_group()
+        #: the core's transports: over the replicas of this rank's pieces, and over the other pieces
+        self.replicas, self.group = TorchTransport(self.replicas_group), TorchTransport(self.pieces_group)
+        self.R, self.S, self.s = mesh.size(0), mesh.size(1), self.shard_mesh.get_local_rank()
+
+    def piece(self, p, name):
+        """Parameter ``p``'s :class:`Piece` on this rank; ConfigError for what is not supported."""
+        if not is_dtensor(p):
+            raise ConfigError(f"parameter {name!r} is not sharded: HybridSLAMB takes a model whose parameters "
+                              "fully_shard(module, mesh=mesh['shard']) sharded (wrap every module that holds "
+                              "parameters, or the root)")
+        where = p.device_mesh
+        if where.ndim == 2:
+            raise ConfigError(f"parameter {name!r} is sharded over the whole 2-D mesh: FSDP2 then all-reduces its "
+                              "gradient across the replicas itself, densely. Shard over the pieces only: "
+                              "fully_shard(module, mesh=mesh['shard']); HybridSLAMB makes the replica exchange")
+        if where.mesh.tolist() != self.shard_mesh.mesh.tolist():
+            raise ConfigError(f"parameter {name!r} is sharded over ranks {where.mesh.tolist()}, not over this "
+                              f"mesh's shard dimension {self.shard_mesh.mesh.tolist()}")
+        kinds = [type(pl).__name__ + str(getattr(pl, "dim", "")) for pl in p.placements]
+        if kinds != ["Shard0"]:
+            raise ConfigError(f"parameter {name!r} has placements {list(p.placements)}: HybridSLAMB supports "
+                              "FSDP2's default Shard(0) (no shard_placement_fn, no tensor parallel)")
+        shape, local = tuple(p.shape), tuple(local_of(p).shape)
+        n0 = shape[0] if shape else 1
+        chunk = -(-n0 // self.S)
+        start_row = min(self.s * chunk, n0)
+        rows = min(start_row + chunk, n0) - start_row
+        if local != (rows, *shape[1:]):
+            raise ConfigError(f"parameter {name!r}: this rank's piece is {list(local)}, but rows {start_row}.."
+                              f"{start_row + rows} of {list(shape)} were expected (torch.chunk's pieces)")
+        inner = 1
+        for d in shape[1:]:
+            inner *= d
+        return Piece(local, Shard(shape, start_row * inner))
+
+    def broadcast(self, params):
+        """Every piece from replica 0 to the other replicas (once, at construction)."""
+        src = dist.get_global_rank(self.replicas_group, 0)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(local_of(p), src=src, group=self.replicas_group)
+
+
+class HybridSLAMB(SLAMB):
+    """SLAMB for a model sharded by FSDP2 over the ``"shard"`` dimension of a ``(replicate, shard)``
+    mesh: the momentum exchange runs over the replicas of each rank's pieces (see the module's
+    docstring). ``mesh``: the 2-D DeviceMesh; ``replicate``/``shard``: its dimensions' names; every
+    other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``, ``fused=False``)."""
+
+    def __init__(self, params, mesh, *args, replicate="replicate", shard="shard", **kwargs):
+        if kwargs.get("fused"):
+            raise ConfigError("HybridSLAMB steps tensor by tensor (fused=True is not available for sharded models)")
+        sharding = MeshSharding(mesh, replicate, shard)
+        params = list(params)
+        flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+        sharding.broadcast([p for p in flat if p.requires_grad and is_dtensor(p)])
+        super().__init__(params, *args, fused=False, transport=sharding.replicas, sharding=sharding, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SLAMB step on every rank's pieces. A parameter whose gradient is None on some ranks and
+        not others counts as a zero gradient there (Horovod's rule); None everywhere: left as it is."""
+        loss = run_closure(closure)
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        have = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
+        if params:  # over the whole mesh: its replicas, then its pieces
+            dist.all_reduce(have, group=self._sharding.replicas_group)
+            dist.all_reduce(have, group=self._sharding.pieces_group)
+        for p, n in zip(params, have.tolist()):
+            if p.grad is None and n > 0:
+                p.grad = torch.zeros_like(p)
+        super().step()
+        return loss
