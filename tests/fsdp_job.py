@@ -89,7 +89,7 @@ def match(R, S):
         ref.step([reference_grads(ref, plain, t, q, S) for q in range(R)], mask.select(t).index.astype(np.int64))
         err = 0.0
         for p, want in zip(model.parameters(), ref.x[r]):
-            mine, sh = p.to_local().detach().numpy(), opt.communicators[0].layout
+            mine = p.to_local().detach().numpy()
             piece = want.reshape(-1)[_start(p, S, s): _start(p, S, s) + mine.size]
             if mine.size:
                 err = max(err, float(np.max(np.abs(mine.reshape(-1) - piece)) / np.max(np.abs(want))))
