@@ -3,6 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp_job.py match 2 2 OUT_DIR
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp_job.py match+errors 2 2 OUT_DIR
 
+``recipes``: GradScaler, an inf on one rank, clip_grad_norm_, accumulation, bf16 autocast, each
+against the run it must equal; ``no_teardown``: a script that ends without tearing anything down.
 ``match R S``: an R x S mesh; each rank (replica r, piece s) trains on its own batches; FSDP2
 averages the gradient over the S ranks of a replica (its reduce-scatter) and HybridSLAMB exchanges
 the momentum across the R replicas. Every rank runs the dense float64 reference of SLAMB at R
@@ -70,16 +72,20 @@ def reference_grads(ref, plain, t, r, S):
     return [p.grad.numpy().copy() for p in plain.parameters()]
 
 
-def match(R, S):
+def match(R, S, sadamw=False):
+    """HybridSLAMB (HybridSAdamW: the trust ratios fixed at 1) against the reference at R ranks."""
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     rank = dist.get_rank()
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     model = shard(make_model(), mesh["shard"])
-    opt = st.HybridSLAMB(model.parameters(), mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, **OPTS)
+    kind = st.HybridSAdamW if sadamw else st.HybridSLAMB
+    opt = kind(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, eps=1e-6, **OPTS)
     plain = make_model()
     x0 = [p.detach().numpy().copy() for p in plain.parameters()]
     whole = Layout([a.shape for a in x0], "float64", dense_threshold=DENSE)
-    ref = ReferenceSlamb([x0] * R, whole.offsets, H=H, wd=OPTS["weight_decay"], lr=OPTS["lr"], beta3=OPTS["beta3"])
+    bounds = dict(c_min=1.0, c_max=1.0) if sadamw else {}
+    ref = ReferenceSlamb([x0] * R, whole.offsets, H=H, wd=OPTS["weight_decay"], lr=OPTS["lr"], beta3=OPTS["beta3"],
+                         **bounds)
     mask = CyclicMask(whole, RATIO, 3)
     worst, traffic = [], []
     for t in range(1, STEPS + 1):
@@ -118,20 +124,131 @@ def errors(R, S):
             out[key] = None
 
     refused("plain_slamb", lambda: st.SLAMB(shard(make_model(), mesh["shard"]).parameters()))
-    refused("whole_mesh", lambda: st.HybridSLAMB(shard(make_model(), mesh).parameters(), mesh))
+    refused("whole_mesh", lambda: st.HybridSLAMB(shard(make_model(), mesh), mesh))
     flat = init_device_mesh("cpu", (R * S,), mesh_dim_names=("shard",))
-    refused("pure_fsdp", lambda: st.HybridSLAMB(shard(make_model(), flat).parameters(), flat))
-    refused("unsharded", lambda: st.HybridSLAMB(make_model().parameters(), mesh))
+    refused("pure_fsdp", lambda: st.HybridSLAMB(shard(make_model(), flat), flat))
+    refused("unsharded", lambda: st.HybridSLAMB(make_model(), mesh))
+    refused("no_model", lambda: st.HybridSLAMB(shard(make_model(), mesh["shard"]).parameters(), mesh))
     return out
+
+
+def recipes(R, S):
+    """What users do between backward() and step(), each against the run it must equal."""
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    last = dist.get_rank() == dist.get_world_size() - 1
+
+    def build():
+        model = shard(make_model().float(), mesh["shard"])
+        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, **OPTS)
+
+    def pieces(model):
+        return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]).clone()
+
+    def loss_at(model, t, poison=False, part=None):
+        x, y = (a.float() for a in batch(t, r, s))
+        if part is not None:
+            x, y = x[3 * part: 3 * part + 3], y[3 * part: 3 * part + 3]
+        loss = loss_of(model, x, y)
+        return loss * float("inf") if poison else loss
+
+    def plain(model, opt, t, poison=False):
+        opt.zero_grad()
+        loss_at(model, t, poison).backward()
+        opt.step()
+
+    def scaled(model, opt, amp, t, poison=False, clip=None):
+        opt.zero_grad()
+        amp.scale(loss_at(model, t, poison)).backward()
+        amp.unscale_(opt)
+        norm = None if clip is None else float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        amp.step(opt)
+        amp.update()
+        return norm
+
+    out = {}
+    (ma, oa), (mb, ob) = build(), build()
+    amp = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for t in range(1, 6):
+        plain(ma, oa, t)
+        scaled(mb, ob, amp, t)
+    out["scaler_bitwise"], out["scale"] = bool(torch.equal(pieces(ma), pieces(mb))), amp.get_scale()
+
+    # an inf in the last rank's loss at step 3, under the scaler with unscale_ and clip_grad_norm_:
+    # every rank skips and halves alike; the run equals the run without step 3
+    (mc, oc), (md, od) = build(), build()
+    amp_c, amp_d, norms = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0), []
+    for t in range(1, 6):
+        norms.append(scaled(mc, oc, amp_c, t, poison=last and t == 3, clip=0.05))
+        if t != 3:
+            scaled(md, od, amp_d, t, clip=0.05)
+            whole = sum(float((p.grad.full_tensor().double() ** 2).sum()) for p in md.parameters()) ** 0.5
+            out.setdefault("clipped_norms", []).append(whole)
+    out["inf_bitwise"] = bool(torch.equal(pieces(mc), pieces(md)))
+    out["inf_scales"], out["inf_steps"] = [amp_c.get_scale(), amp_d.get_scale()], [oc.steps_taken(), od.steps_taken()]
+    out["inf_norm_at_3"] = norms[2]
+
+    # the same inf without a scaler: the optimizer skips the step on every rank
+    (me_, oe) = build()
+    for t in range(1, 5):
+        plain(me_, oe, t, poison=last and t == 3)
+    out["skipped"], out["steps_no_scaler"] = oe.skipped_steps, oe.steps_taken()
+
+    # accumulation: two micro-batches, FSDP2's reduce-scatter only after the second, against one batch
+    (mf, of), (mg, og) = build(), build()
+    for t in range(1, 5):
+        of.zero_grad()
+        for part in (0, 1):
+            mf.set_requires_gradient_sync(part == 1)
+            (loss_at(mf, t, part=part) / 2).backward()
+        of.step()
+        plain(mg, og, t)
+    out["accumulation_diff"] = float((pieces(mf) - pieces(mg)).abs().max() / pieces(mg).abs().max())
+
+    # bf16 autocast: it trains, and the periodic sync leaves the replicas equal
+    mh, oh = build()
+    losses = []
+    for t in range(1, H + 2):
+        oh.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_at(mh, t)
+        loss.backward()
+        oh.step()
+        losses.append(float(loss.detach()))
+    mine = pieces(mh)
+    everyone = [torch.zeros_like(mine) for _ in range(R)]
+    dist.all_gather(everyone, mine, group=mesh["replicate"].get_group())
+    out["bf16_finite"] = all(np.isfinite(losses)) and bool(torch.isfinite(mine).all())
+    out["bf16_replicas_equal"] = all(bool(torch.equal(e, everyone[0])) for e in everyone)
+    return out
+
+
+def no_teardown(R, S):
+    """Trains two steps and returns: the script ends without destroy_process_group()."""
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    model = shard(make_model(), mesh["shard"])
+    opt = st.HybridSLAMB(model, mesh, ratio=RATIO, dense_threshold=DENSE)
+    for t in (1, 2):
+        opt.zero_grad()
+        loss_of(model, *batch(t, r, s)).backward()
+        opt.step()
+    return {"steps": opt.steps_taken()}
+
+
+JOBS = {"match": match, "match_sadamw": lambda R, S: match(R, S, sadamw=True), "errors": errors, "recipes": recipes,
+        "no_teardown": no_teardown}
 
 
 def main():
     mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo")
     for m in mode.split("+"):  # "match+errors": both in one launch
-        result = match(R, S) if m == "match" else errors(R, S)
+        result = JOBS[m](R, S)
         with open(os.path.join(out_dir, f"{m}.{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
+    if mode == "no_teardown":
+        return
     dist.barrier()
     dist.destroy_process_group()
 

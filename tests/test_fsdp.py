@@ -38,11 +38,32 @@ def test_hybrid_slamb_on_two_ranks_matches_the_unsharded_reference(tmp_path, R, 
     _check_match(_run(tmp_path, "match", R, S)["match"], R, S)
 
 
-def test_hybrid_slamb_on_a_2x2_mesh_matches_and_refuses_what_it_cannot_do(tmp_path):
-    out = _run(tmp_path, "match+errors", 2, 2)
+def test_hybrid_slamb_and_sadamw_on_a_2x2_mesh_match_refuse_and_keep_the_recipes(tmp_path):
+    out = _run(tmp_path, "match+match_sadamw+errors+recipes", 2, 2)
     _check_match(out["match"], 2, 2)
+    _check_match(out["match_sadamw"], 2, 2)
     for res in out["errors"]:
-        assert "HybridSLAMB(params, mesh)" in res["plain_slamb"]
+        assert "HybridSLAMB(model, mesh)" in res["plain_slamb"]
         assert "mesh=mesh['shard']" in res["whole_mesh"]
         assert "pure FSDP" in res["pure_fsdp"]
         assert "not sharded" in res["unsharded"]
+        assert "HybridSLAMB(model, mesh" in res["no_model"]
+    for res in out["recipes"]:
+        # a GradScaler with a power-of-two scale: bitwise the run without it
+        assert res["scaler_bitwise"] and res["scale"] == 1024.0, res
+        # an inf in one rank's loss: every rank's scaler skips and halves alike, and the run is bitwise the
+        # run without that step; without a scaler the optimizer skips it on every rank
+        assert res["inf_bitwise"] and res["inf_scales"] == [512.0, 1024.0] and res["inf_steps"] == [4, 4], res
+        assert res["skipped"] == 1 and res["steps_no_scaler"] == 3, res
+        # clip_grad_norm_ on the DTensor gradients clips the whole model's norm (each replica its own)
+        assert all(abs(n - 0.05) < 1e-6 for n in res["clipped_norms"]), res
+        # two micro-batches with FSDP2's gradient sync off for the first: the one-batch run, to float32
+        assert res["accumulation_diff"] < 1e-5, res
+        assert res["bf16_finite"] and res["bf16_replicas_equal"], res
+
+
+def test_a_script_that_ends_without_tearing_down_exits_cleanly(tmp_path):
+    proc = torchrun(2, "tests/fsdp_job.py", "no_teardown", "2", "1", str(tmp_path), timeout=200)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
+    assert json.load(open(os.path.join(tmp_path, "no_teardown.0.json")))["steps"] == 2

@@ -32,8 +32,8 @@ module                     what it holds
                            (periodic averaging around any torch optimizer)
 ``sparseloco``             :class:`SparseLoCo`, :class:`SharedMaskSparseLoCo` (on ``OuterLoop``)
 ``demo``                   :class:`DeMo`, the DCT top-k momentum optimizer
-``fsdp``                   :class:`HybridSLAMB`: SLAMB across the replicas of an FSDP2-sharded
-                           model (a ``(replicate, shard)`` mesh; HSDP's layout)
+``fsdp``                   :class:`HybridSLAMB`, :class:`HybridSAdamW`: SLAMB and SAdamW across
+                           the replicas of an FSDP2-sharded model (HSDP's ``(replicate, shard)`` mesh)
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
@@ -72,7 +72,7 @@ from .collectives import TorchTransport, init_process_group
 from .demo import DeMo
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
-from .fsdp import HybridSLAMB
+from .fsdp import HybridSAdamW, HybridSLAMB
 from .onebit_lamb import OneBitLAMB
 from .periodic import DesLoc, DiLoCo
 from .slamb import LAMB, SLAMB, SAdamW
@@ -80,4 +80,5 @@ from .sparseloco import SharedMaskSparseLoCo, SparseLoCo
 
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",
-           "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo", "HybridSLAMB"]
+           "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo", "HybridSLAMB",
+           "HybridSAdamW"]

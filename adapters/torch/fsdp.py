@@ -11,7 +11,7 @@ the momentum of each rank's pieces with their replicas, sparsely::
     for block in model.layers:
         fully_shard(block, mesh=mesh["shard"])      # HSDP would pass mesh=mesh
     fully_shard(model, mesh=mesh["shard"])
-    opt = HybridSLAMB(model.parameters(), mesh, lr=..., ratio=0.1)
+    opt = HybridSLAMB(model, mesh, lr=..., ratio=0.1)
 
 What it computes is SLAMB at R ranks on the whole tensors (docs/algorithm.md section 15): each
 rank's mask is the unsharded mask restricted to its pieces, the trust ratios are the whole tensors'
@@ -37,11 +37,12 @@ from slamb_comm.codecs import Shard
 from slamb_comm.errors import ConfigError
 
 from .collectives import TorchTransport
+from .contract import queue_callback
 from .params import run_closure
 from .slamb import SLAMB
 from .tensors import is_dtensor, local_of
 
-__all__ = ["HybridSLAMB", "MeshSharding", "Piece"]
+__all__ = ["HybridSLAMB", "HybridSAdamW", "BackwardWatch", "MeshSharding", "Piece"]
 
 
 class Piece(NamedTuple):
@@ -112,26 +113,94 @@ class MeshSharding:
                 dist.broadcast(local_of(p), src=src, group=self.replicas_group)
 
 
+class BackwardWatch:
+    """Every rank learns, before ``backward()`` returns, whether any rank's gradient has a NaN or Inf,
+    and then every rank's gradient pieces hold NaN: so a ``GradScaler`` skips (and halves its scale)
+    on every rank alike, as under DDP, where the allreduce spreads an inf to every rank.
+
+    FSDP2's all-reduce hook of every FSDP module of ``model`` notes whether its reduce-scatter output
+    (this rank's pieces of that module's gradients) is finite (one pass, no host read); the first
+    call of a backward pass queues a callback at its end that sums the notes over the mesh (one
+    float over the replicas, one over the pieces) and poisons the pieces if the sum is not 0."""
+
+    def __init__(self, model, sharding, params):
+        modules = [m for m in model.modules() if hasattr(m, "set_all_reduce_hook")]
+        if not modules:
+            raise ConfigError("model= has no module that fully_shard sharded: pass the root module of the "
+                              "sharded model")
+        self.sharding, self.params = sharding, params
+        self.bad, self.queued = None, False
+        for m in modules:
+            m.set_all_reduce_hook(self.note)
+
+    def note(self, reduced):
+        """FSDP2's hook: one module's reduce-scatter output on this rank."""
+        bad = ~torch.isfinite(reduced).all()
+        self.bad = bad if self.bad is None else self.bad | bad
+        if not self.queued:
+            try:
+                queue_callback(self.agree)
+                self.queued = True
+            except RuntimeError:  # not inside a backward pass: step() agrees instead
+                pass
+
+    def agree(self):
+        """At the end of backward (or at step(), if no backward pass queued it): the collective
+        decision, and the poison."""
+        self.queued = False
+        if self.bad is None:
+            return
+        word = self.bad.to(device="cpu", dtype=torch.float64).reshape(1)
+        self.bad = None
+        dist.all_reduce(word, group=self.sharding.replicas_group)
+        dist.all_reduce(word, group=self.sharding.pieces_group)
+        if word.item() > 0:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        local_of(p.grad).fill_(float("nan"))
+
+
 class HybridSLAMB(SLAMB):
     """SLAMB for a model sharded by FSDP2 over the ``"shard"`` dimension of a ``(replicate, shard)``
     mesh: the momentum exchange runs over the replicas of each rank's pieces (see the module's
-    docstring). ``mesh``: the 2-D DeviceMesh; ``replicate``/``shard``: its dimensions' names; every
-    other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``, ``fused=False``)."""
+    docstring).
 
-    def __init__(self, params, mesh, *args, replicate="replicate", shard="shard", **kwargs):
+    Args:
+        params: the sharded model (its parameters, and its FSDP modules are watched: see
+            :class:`BackwardWatch`), or parameters / parameter groups with ``model=`` the model.
+        mesh: the 2-D DeviceMesh; ``replicate``/``shard``: its dimensions' names.
+        model: the root module ``fully_shard`` sharded, when ``params`` is not that module.
+
+    Every other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``, ``fused=False``).
+    """
+
+    def __init__(self, params, mesh, *args, model=None, replicate="replicate", shard="shard", **kwargs):
         if kwargs.get("fused"):
             raise ConfigError("HybridSLAMB steps tensor by tensor (fused=True is not available for sharded models)")
+        if isinstance(params, torch.nn.Module):
+            model, params = params, params.parameters()
+        if model is None:
+            raise ConfigError("HybridSLAMB needs the sharded model, so that every rank agrees on a non-finite "
+                              "gradient before step(): HybridSLAMB(model, mesh, ...), or HybridSLAMB(param_groups, "
+                              "mesh, model=model, ...)")
         sharding = MeshSharding(mesh, replicate, shard)
         params = list(params)
         flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-        sharding.broadcast([p for p in flat if p.requires_grad and is_dtensor(p)])
-        super().__init__(params, *args, fused=False, transport=sharding.replicas, sharding=sharding, **kwargs)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p in flat:  # every refusal before any collective
+            sharding.piece(p, names.get(id(p), f"of shape {list(p.shape)}"))
+        sharding.broadcast([p for p in flat if p.requires_grad])
+        self.watch = BackwardWatch(model, sharding, flat)
+        super().__init__(params, *args, fused=False, transport=sharding.replicas, names=names, sharding=sharding,
+                         **kwargs)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One SLAMB step on every rank's pieces. A parameter whose gradient is None on some ranks and
         not others counts as a zero gradient there (Horovod's rule); None everywhere: left as it is."""
         loss = run_closure(closure)
+        self.watch.agree()  # a reduce-scatter outside a backward pass (rare): its decision now
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         have = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
         if params:  # over the whole mesh: its replicas, then its pieces
@@ -142,3 +211,15 @@ class HybridSLAMB(SLAMB):
                 p.grad = torch.zeros_like(p)
         super().step()
         return loss
+
+
+class HybridSAdamW(HybridSLAMB):
+    """:class:`~slamb_comm.adapters.torch.SAdamW` (SLAMB's exchange under AdamW's update) for a model
+    sharded by FSDP2, as :class:`HybridSLAMB` (no norms cross the shard group: its ratios are fixed)."""
+
+    def __init__(self, params, mesh, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, beta3=0.9, **kwargs):
+        for k in ("c_min", "c_max"):
+            if k in kwargs:
+                raise ConfigError(f"SAdamW has no trust ratio: {k} is fixed at 1 (use HybridSLAMB for LAMB's update)")
+        super().__init__(params, mesh, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
+                         c_min=1.0, c_max=1.0, **kwargs)

@@ -244,7 +244,7 @@ class SLAMB(torch.optim.Optimizer):
                 if is_dtensor(p):
                     raise ConfigError(f"parameter {name!r} is a DTensor ({list(p.placements)}): SLAMB needs whole "
                                       "tensors; for a model sharded by FSDP2's fully_shard use "
-                                      "slamb_comm.adapters.torch.HybridSLAMB(params, mesh)")
+                                      "slamb_comm.adapters.torch.HybridSLAMB(model, mesh)")
             return Layout([tuple(p.shape) for p in e.params], e.np_dtype, names=e.names,
                           dense_threshold=dense_threshold)
         pieces = [self._sharding.piece(p, name) for p, name in zip(e.params, e.names)]
