@@ -4,7 +4,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp_job.py match+errors 2 2 OUT_DIR
 
 ``recipes``: GradScaler, an inf on one rank, clip_grad_norm_, accumulation, bf16 autocast, each
-against the run it must equal; ``no_teardown``: a script that ends without tearing anything down.
+against the run it must equal; ``resume``: per-rank state saved and loaded; ``no_teardown``: a script that ends without tearing anything down.
 ``match R S``: an R x S mesh; each rank (replica r, piece s) trains on its own batches; FSDP2
 averages the gradient over the S ranks of a replica (its reduce-scatter) and HybridSLAMB exchanges
 the momentum across the R replicas. Every rank runs the dense float64 reference of SLAMB at R
@@ -14,6 +14,7 @@ with the reference's at every step. ``errors``: the setups HybridSLAMB refuses. 
 ``OUT_DIR/<mode>.<rank>.json``.
 """
 
+import io
 import json
 import os
 import sys
@@ -223,6 +224,77 @@ def recipes(R, S):
     return out
 
 
+def resume(R, S):
+    """Every rank saves its own pieces' model and optimizer state at step 3; a new model and optimizer
+    (another mask seed: the checkpoint's must win) load them and go on: bitwise the uninterrupted run."""
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+
+    def build(seed):
+        model = shard(make_model().float(), mesh["shard"])
+        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=seed, **OPTS)
+
+    def train(model, opt, steps):
+        for t in steps:
+            opt.zero_grad()
+            loss_of(model, *(a.float() for a in batch(t, r, s))).backward()
+            opt.step()
+
+    (ma, oa), (mb, ob) = build(3), build(3)
+    train(ma, oa, range(1, 8))
+    train(mb, ob, range(1, 4))
+    buf = io.BytesIO()  # what torch.save(..., f"ckpt.{rank}.pt") writes
+    torch.save({"model": {n: p.to_local().detach() for n, p in mb.named_parameters()}, "opt": ob.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    mc, oc = build(4)
+    with torch.no_grad():
+        for n, p in mc.named_parameters():
+            p.to_local().copy_(saved["model"][n])
+    oc.load_state_dict(saved["opt"])
+    train(mc, oc, range(4, 8))
+    same = all(torch.equal(a.to_local(), c.to_local()) for a, c in zip(ma.parameters(), mc.parameters()))
+    return {"bitwise": bool(same), "steps": oc.steps_taken(), "seed": int(oc.communicators[0].seed)}
+
+
+def dcp_resume(R, S, out_dir):
+    """torch.distributed.checkpoint of the sharded model and of HybridSLAMB's per-replica state, saved right
+    after a periodic sync (step 5 with H = 4: the replicas' parameters are equal then), loaded into a new
+    model and optimizer (another mask seed): bitwise the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+
+    def build(seed):
+        model = shard(make_model().float(), mesh["shard"])
+        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=seed, **OPTS)
+
+    def train(model, opt, steps):
+        for t in steps:
+            opt.zero_grad()
+            loss_of(model, *(a.float() for a in batch(t, r, s))).backward()
+            opt.step()
+
+    path = os.path.join(out_dir, "dcp")
+    (ma, oa), (mb, ob) = build(3), build(3)
+    train(ma, oa, range(1, 9))
+    train(mb, ob, range(1, 6))
+    dcp.save({"model": get_model_state_dict(mb), "optim": get_optimizer_state_dict(mb, ob)}, checkpoint_id=path)
+    mc, oc = build(4)
+    sd = {"model": get_model_state_dict(mc), "optim": get_optimizer_state_dict(mc, oc)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(mc, sd["model"])
+    set_optimizer_state_dict(mc, oc, sd["optim"])
+    train(mc, oc, range(6, 9))
+    same = all(torch.equal(a.to_local(), c.to_local()) for a, c in zip(ma.parameters(), mc.parameters()))
+    m_same = all(torch.equal(oa.state[a]["exp_avg"], oc.state[c]["exp_avg"]) for a, c in zip(ma.parameters(),
+                                                                                           mc.parameters()))
+    return {"bitwise": bool(same and m_same), "steps": oc.steps_taken(), "seed": int(oc.communicators[0].seed)}
+
+
 def no_teardown(R, S):
     """Trains two steps and returns: the script ends without destroy_process_group()."""
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
@@ -237,14 +309,15 @@ def no_teardown(R, S):
 
 
 JOBS = {"match": match, "match_sadamw": lambda R, S: match(R, S, sadamw=True), "errors": errors, "recipes": recipes,
-        "no_teardown": no_teardown}
+        "resume": resume, "no_teardown": no_teardown}
+NEEDS_DIR = {"dcp": dcp_resume}
 
 
 def main():
     mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo")
     for m in mode.split("+"):  # "match+errors": both in one launch
-        result = JOBS[m](R, S)
+        result = NEEDS_DIR[m](R, S, out_dir) if m in NEEDS_DIR else JOBS[m](R, S)
         with open(os.path.join(out_dir, f"{m}.{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
     if mode == "no_teardown":

@@ -2,7 +2,9 @@
 
 At meshes 1 x 2, 2 x 1 and 2 x 2 (replicas x pieces) the sharded run's parameters equal, at every
 step, the dense float64 reference of SLAMB at R ranks on the unsharded model (docs/algorithm.md
-section 15); the setups it does not support are refused with an error that names the fix.
+section 15); the setups it does not support are refused with an error that names the fix; the recipes
+users run between backward() and step() give the runs they must equal; per-rank files and
+torch.distributed.checkpoint resume bitwise.
 """
 
 import json
@@ -39,7 +41,7 @@ def test_hybrid_slamb_on_two_ranks_matches_the_unsharded_reference(tmp_path, R, 
 
 
 def test_hybrid_slamb_and_sadamw_on_a_2x2_mesh_match_refuse_and_keep_the_recipes(tmp_path):
-    out = _run(tmp_path, "match+match_sadamw+errors+recipes", 2, 2)
+    out = _run(tmp_path, "match+match_sadamw+errors+recipes+resume+dcp", 2, 2)
     _check_match(out["match"], 2, 2)
     _check_match(out["match_sadamw"], 2, 2)
     for res in out["errors"]:
@@ -60,6 +62,10 @@ def test_hybrid_slamb_and_sadamw_on_a_2x2_mesh_match_refuse_and_keep_the_recipes
         # two micro-batches with FSDP2's gradient sync off for the first: the one-batch run, to float32
         assert res["accumulation_diff"] < 1e-5, res
         assert res["bf16_finite"] and res["bf16_replicas_equal"], res
+    for res in out["resume"]:  # every rank's own state saved and loaded: bitwise the uninterrupted run
+        assert res == {"bitwise": True, "steps": 7, "seed": 3}, res
+    for res in out["dcp"]:  # torch.distributed.checkpoint, saved right after a periodic sync: bitwise too
+        assert res == {"bitwise": True, "steps": 8, "seed": 3}, res
 
 
 def test_a_script_that_ends_without_tearing_down_exits_cleanly(tmp_path):

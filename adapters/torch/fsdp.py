@@ -30,8 +30,12 @@ optimizer (``state_dict()`` is this rank's pieces' state: save one file per rank
 
 from typing import NamedTuple
 
+import logging
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as TShard
 
 from slamb_comm.codecs import Shard
 from slamb_comm.errors import ConfigError
@@ -41,6 +45,11 @@ from .contract import queue_callback
 from .params import run_closure
 from .slamb import SLAMB
 from .tensors import is_dtensor, local_of
+
+_log = logging.getLogger("slamb_comm")
+
+#: the per-parameter state that differs between replicas
+_PER_REPLICA = ("exp_avg", "exp_avg_sq", "freshness")
 
 __all__ = ["HybridSLAMB", "HybridSAdamW", "BackwardWatch", "MeshSharding", "Piece"]
 
@@ -104,6 +113,18 @@ class MeshSharding:
         for d in shape[1:]:
             inner *= d
         return Piece(local, Shard(shape, start_row * inner))
+
+    def per_replica(self, t, p):
+        """``t``, this rank's state of its piece of ``p`` (shaped like the piece), as a DTensor of shape
+        ``(R, *p.shape)`` over the whole mesh whose row r is replica r's: the state of every replica
+        has its own place (a plain tensor is saved from one rank by torch.distributed.checkpoint)."""
+        shape = (self.R, *p.shape)
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= d
+        return DTensor.from_local(t.detach().reshape(1, *t.shape), self.mesh, [TShard(0), TShard(1)],
+                                  run_check=False, shape=torch.Size(shape), stride=tuple(reversed(stride)))
 
     def broadcast(self, params):
         """Every piece from replica 0 to the other replicas (once, at construction)."""
@@ -211,6 +232,31 @@ class HybridSLAMB(SLAMB):
                 p.grad = torch.zeros_like(p)
         super().step()
         return loss
+
+    def state_dict(self):
+        """This rank's state; each parameter's ``exp_avg``, ``exp_avg_sq`` and ``freshness`` as a
+        DTensor of shape ``(R, *parameter shape)`` whose row r is replica r's (they differ between
+        replicas), so that ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``, ``dcp.save``)
+        keeps all of them and a resume at the same mesh is bitwise. A ``torch.save`` per rank works too."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in sd["state"].items():
+            sd["state"][i] = {k: self._sharding.per_replica(v, params[i]) if k in _PER_REPLICA else v
+                              for k, v in st.items()}
+        t, H = self.steps_taken(), min(int(g["sync_interval"]) for g in self.param_groups)
+        if self._sharding.R > 1 and t and (t - 1) % H and not getattr(self, "_warned_between_syncs", False):
+            self._warned_between_syncs = True
+            _log.warning("slamb_comm: HybridSLAMB state saved at step %d, between periodic syncs (after steps 1, "
+                         "H + 1, ...): the replicas' parameters differ now, and torch.distributed.checkpoint keeps "
+                         "one replica's model pieces. Resuming from it is a valid SLAMB run, not bitwise this one: "
+                         "save right after a sync step, or save every rank's own pieces (torch.save per rank).", t)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Restore :meth:`state_dict` output (the per-replica DTensors, or this rank's plain tensors)."""
+        state = {i: {k: local_of(v)[0] if k in _PER_REPLICA and is_dtensor(v) else v
+                     for k, v in st.items()} for i, st in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": state})
 
 
 class HybridSAdamW(HybridSLAMB):
