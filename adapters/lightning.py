@@ -34,24 +34,36 @@ Bytes: at every optimizer step the strategy reads the step's :class:`slamb_comm.
 ``strategy.last_traffic`` and logs it through the LightningModule's ``log`` (so to every logger
 of the Trainer: TensorBoard, CSV, W&B) as ``slamb/payload_bytes``, ``slamb/wire_bytes``,
 ``slamb/of_dense`` and ``slamb/wire_of_dense`` (:func:`slamb_comm.adapters.torch.traffic_metrics`).
+
+FSDP2 / HSDP: :class:`SlambModelParallelStrategy` is Lightning's ``ModelParallelStrategy`` on a
+``(replicate, shard)`` mesh for :class:`slamb_comm.adapters.torch.HybridSLAMB` (the model sharded
+by ``fully_shard`` over ``self.device_mesh["shard"]`` in ``configure_model``; the momentum
+exchanged sparsely across the replicas); docs/launchers.md section 6.
 """
 
 import os
+from pathlib import Path
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+import torch.distributed as torch_dist
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from slamb_comm.codecs import TopK
 
-from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook, topk_hook
+from .torch import (SLAMB, DistributedOptimizer, HybridSLAMB, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook,
+                    topk_hook)
 from .torch.averaging import averaged_state_dict, traffic_metrics
 from .torch.contract import ContractMethods
 from .torch.distributed_slamb import DistributedSlamb
 from .torch.rank_files import resume_state
+from .torch.tensors import is_dtensor, local_of
 
-__all__ = ["SlambDDPStrategy", "rank_state_path"]
+__all__ = ["SlambDDPStrategy", "SlambModelParallelStrategy", "rank_state_path"]
 
 
 def rank_state_path(checkpoint_path, rank):
@@ -244,3 +256,186 @@ def _mark_step_tracked(opt):
 
     wrapper._wrapped_by_lr_sched = True  # torch's LRScheduler mark: the step is tracked
     opt.step = wrapper
+
+
+# ----------------------------------------------------------------------------- FSDP2 / HSDP
+class SlambModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) on a ``(replicate, shard)`` mesh, for
+    :class:`slamb_comm.adapters.torch.HybridSLAMB`: HSDP's layout, with SLAMB's sparse momentum
+    exchange across the replicas where FSDP2's dense replica allreduce was.
+
+    The change to a stock Lightning FSDP2 script (``ModelParallelStrategy()``, ``fully_shard(...,
+    mesh=self.device_mesh["data_parallel"])`` in ``configure_model``)::
+
+        trainer = L.Trainer(strategy=SlambModelParallelStrategy(replicas=2), ...)
+
+        def configure_model(self):
+            for block in self.model.layers:
+                fully_shard(block, mesh=self.device_mesh["shard"])
+            fully_shard(self.model, mesh=self.device_mesh["shard"])
+
+        def configure_optimizers(self):
+            return HybridSLAMB(self, self.device_mesh, lr=..., ratio=0.1)
+
+    Args:
+        replicas: R, the mesh's first dimension: ``"auto"`` (default) is the number of nodes (shard
+            inside a node, replicate across nodes, as HSDP); the world size must be a multiple.
+        **kwargs: ``ModelParallelStrategy``'s ``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``. Every rank is data-parallel (no tensor parallel
+            yet), so ``data_parallel_size`` and ``tensor_parallel_size`` are not taken.
+
+    ``self.device_mesh`` (the LightningModule's and the strategy's) is the 2-D mesh
+    ``init_device_mesh(device, (R, world // R), mesh_dim_names=("replicate", "shard"))``; every rank
+    draws its own batches (the sampler is over all ranks). ``configure_optimizers`` returns one
+    ``HybridSLAMB`` (or ``HybridSAdamW``) on that mesh; another optimizer would train the replicas
+    apart, so it raises ``TypeError``. After each optimizer step ``last_traffic`` is its
+    :class:`slamb_comm.Traffic` (the bytes sent across the replicas against HSDP's dense replica
+    allreduce of this rank's pieces), also logged as ``slamb/payload_bytes``, ``slamb/of_dense``, ...
+
+    Checkpoints: Lightning's (a ``torch.distributed.checkpoint`` folder, or one file with
+    ``save_distributed_checkpoint=False``) holds the model as the float64 mean of the replicas
+    (they differ between SLAMB's periodic syncs), the live model untouched. The optimizer's state is
+    per rank (each rank's pieces' moments), so it is not in Lightning's checkpoint: every rank writes
+    ``<checkpoint>.slamb_rank<r>`` beside it with its optimizer state and its own pieces, and
+    ``fit(ckpt_path=...)`` loads them: the resumed run is the interrupted one, bitwise. Only on the
+    same mesh: another shape raises ``ValueError``; without the files (a checkpoint from another
+    strategy) the run resumes from the mean model with a new optimizer state, and a warning says so.
+    """
+
+    strategy_name = "slamb_model_parallel"
+
+    def __init__(self, replicas="auto", **kwargs):
+        for bad in ("data_parallel_size", "tensor_parallel_size"):
+            if bad in kwargs:
+                raise ValueError(f"SlambModelParallelStrategy builds its (replicate, shard) mesh over every rank: pass "
+                                 f"replicas=R, not {bad}= (tensor parallel is not supported yet)")
+        if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+            raise ValueError(f"replicas must be 'auto' or a positive int, got {replicas!r}")
+        super().__init__(**kwargs)
+        self.replicas = replicas
+        self.last_traffic = None  # the last optimizer step's slamb_comm.Traffic
+
+    # ------------------------------------------------------------------ the mesh
+    def setup_environment(self):
+        """The process group (as ``ModelParallelStrategy``, every rank data-parallel), then the
+        ``(replicate, shard)`` mesh, which ``configure_model`` reads as ``self.device_mesh``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = self.num_nodes * self.num_processes
+        R = self.num_nodes if self.replicas == "auto" else self.replicas
+        if world % R:
+            raise ValueError(f"SlambModelParallelStrategy(replicas={R}): the {world} ranks are not a multiple of "
+                             f"{R}; the mesh is (replicas, world // replicas)")
+        self._data_parallel_size, self._tensor_parallel_size = world, 1
+        super().setup_environment()
+        self._device_mesh = init_device_mesh(self.root_device.type, (R, world // R),
+                                             mesh_dim_names=("replicate", "shard"))
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self):
+        """Every rank is a data-parallel rank: its own batches."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup_optimizers(self, trainer):
+        """``configure_optimizers`` (as ``ModelParallelStrategy``); it must return one HybridSLAMB."""
+        super().setup_optimizers(trainer)
+        opts = list(self.optimizers)
+        if len(opts) != 1 or not isinstance(opts[0], HybridSLAMB):
+            raise TypeError("SlambModelParallelStrategy trains the one HybridSLAMB that configure_optimizers returns "
+                            f"(got {[type(o).__name__ for o in opts]}): return slamb_comm.adapters.torch.HybridSLAMB("
+                            "self, self.device_mesh, lr=..., ratio=0.1); the model is sharded over "
+                            "self.device_mesh['shard'] only, so nothing else keeps the replicas together")
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """The step (as ``ModelParallelStrategy``), then its bytes: ``last_traffic`` and the module's log."""
+        out = super().optimizer_step(optimizer, closure, model=model, **kwargs)
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        traffic = opt.step_traffic() if isinstance(opt, HybridSLAMB) else None
+        if traffic is not None and traffic.calls:
+            self.last_traffic = traffic
+            try:
+                self.lightning_module.log_dict(traffic_metrics(traffic), on_step=True, on_epoch=False, batch_size=1)
+            except MisconfigurationException:  # a step outside the Trainer's logging hooks: last_traffic only
+                pass
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self):
+        """The model to save: every piece (and buffer) the float64 mean over its replicas; sharded
+        (DTensors) for a distributed checkpoint, whole on rank 0 otherwise. Collective; the live
+        model is not touched."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        own = get_model_state_dict(self.model)
+        mean = averaged_state_dict({k: local_of(v) for k, v in own.items()},
+                                   group=self.device_mesh["replicate"].get_group())
+        out = {}
+        for k, v in own.items():
+            m = mean[k]
+            if is_dtensor(v):
+                m = DTensor.from_local(m, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride())
+            out[k] = m
+        if self._save_distributed_checkpoint:
+            return out
+        whole = {k: (v.full_tensor() if is_dtensor(v) else v).cpu() for k, v in out.items()}  # over each shard group
+        return whole if self.global_rank == 0 else {}
+
+    def optimizer_state(self, optimizer):
+        """This rank's own pieces' optimizer state (written to its own file by :meth:`save_checkpoint`)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer.state_dict()
+
+    def _own_tensors(self):
+        module = self.lightning_module
+        return [*module.named_parameters(), *module.named_buffers()]
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        """Every rank writes its optimizer state and its own pieces to ``<filepath>.slamb_rank<r>``
+        (atomically); then Lightning's checkpoint, without the optimizer state, is written as
+        ``ModelParallelStrategy`` writes it."""
+        path = self.broadcast(filepath)
+        own = {"world_size": self.world_size, "rank": self.global_rank, "mesh": tuple(self.device_mesh.shape),
+               "pieces": {k: local_of(v).detach().cpu() for k, v in self._own_tensors()},
+               "optimizer_states": checkpoint.get("optimizer_states")}
+        mine = rank_state_path(path, self.global_rank)
+        os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)
+        torch.save(own, f"{mine}.tmp")
+        os.replace(f"{mine}.tmp", mine)
+        checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath):
+        """Every rank removes its own state file; rank 0 the checkpoint (``ModelCheckpoint``'s rotation)."""
+        mine = rank_state_path(filepath, self.global_rank)
+        if os.path.exists(mine):
+            os.remove(mine)
+        super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        """The model from Lightning's checkpoint (the mean of the replicas), then this rank's own
+        pieces and optimizer state from its ``.slamb_rank<r>`` file: the interrupted run, bitwise."""
+        path = Path(self.broadcast(checkpoint_path))
+        rest = _load_checkpoint(path=path, state={"state_dict": self.model}, strict=self.lightning_module.strict_loading,
+                                optimizer_states_from_list=True, weights_only=weights_only)
+        mine = rank_state_path(path, self.global_rank)
+        have = torch.tensor([float(os.path.exists(mine))], device=self.root_device)
+        torch_dist.all_reduce(have, op=torch_dist.ReduceOp.MIN)
+        if not have.item():
+            rank_zero_warn(f"{path}: no per-rank state files ({rank_state_path(path, 'N')}) on every rank: "
+                           "resuming from the mean of the replicas with a new optimizer state (a valid run, not the "
+                           "interrupted one)")
+            return rest
+        own = torch.load(mine, map_location="cpu", weights_only=False)  # slamb_comm's own file
+        if own["world_size"] != self.world_size or tuple(own["mesh"]) != tuple(self.device_mesh.shape):
+            raise ValueError(f"{mine} was saved on a {own['mesh']} mesh of {own['world_size']} ranks, this run is "
+                             f"{tuple(self.device_mesh.shape)}: HybridSLAMB resumes on the same mesh only")
+        with torch.no_grad():
+            for k, v in self._own_tensors():
+                if k in own["pieces"]:
+                    local_of(v).copy_(own["pieces"][k])
+        for opt, state in zip(self.optimizers, own["optimizer_states"] or []):
+            opt.load_state_dict(state)
+        return rest

@@ -34,6 +34,8 @@ module                     what it holds
 ``demo``                   :class:`DeMo`, the DCT top-k momentum optimizer
 ``fsdp``                   :class:`HybridSLAMB`, :class:`HybridSAdamW`: SLAMB and SAdamW across
                            the replicas of an FSDP2-sharded model (HSDP's ``(replicate, shard)`` mesh)
+``hybrid_topk``            :class:`HybridTopK`: top-k with error feedback across those replicas,
+                           around any torch optimizer (``DiLoCo``/``DesLoc`` take ``mesh=`` too)
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
@@ -73,6 +75,7 @@ from .demo import DeMo
 from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .distributed import DistributedOptimizer
 from .fsdp import HybridSAdamW, HybridSLAMB
+from .hybrid_topk import HybridTopK
 from .onebit_lamb import OneBitLAMB
 from .periodic import DesLoc, DiLoCo
 from .slamb import LAMB, SLAMB, SAdamW
@@ -81,4 +84,4 @@ from .sparseloco import SharedMaskSparseLoCo, SparseLoCo
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",
            "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo", "HybridSLAMB",
-           "HybridSAdamW"]
+           "HybridSAdamW", "HybridTopK"]

@@ -63,18 +63,20 @@ class Piece(NamedTuple):
 
 class MeshSharding:
     """A 2-D device mesh read as (replicas, pieces): the transports over each dimension and, per
-    parameter, the piece this rank holds. ``replicate`` and ``shard`` name the mesh's dimensions."""
+    parameter, the piece this rank holds. ``replicate`` and ``shard`` name the mesh's dimensions;
+    ``who``, the class its errors name (HybridSLAMB, HybridTopK, DiLoCo, ...)."""
 
-    def __init__(self, mesh, replicate="replicate", shard="shard"):
+    def __init__(self, mesh, replicate="replicate", shard="shard", who="HybridSLAMB"):
+        self.who = who
         names = tuple(mesh.mesh_dim_names or ())
         if mesh.ndim == 1:
             raise ConfigError(
                 f"a 1-D mesh {names or ''} is pure FSDP: every rank holds one piece and there are no replicas to "
-                "exchange with. HybridSLAMB needs a 2-D mesh init_device_mesh(device, (R, S), mesh_dim_names="
+                f"exchange with. {who} needs a 2-D mesh init_device_mesh(device, (R, S), mesh_dim_names="
                 "('replicate', 'shard')) with the model sharded by fully_shard(module, mesh=mesh['shard'])")
         if mesh.ndim != 2 or names != (replicate, shard):
             raise ConfigError(
-                f"HybridSLAMB takes a 2-D mesh with dimensions ({replicate!r}, {shard!r}); got {mesh.ndim}-D "
+                f"{who} takes a 2-D mesh with dimensions ({replicate!r}, {shard!r}); got {mesh.ndim}-D "
                 f"{names}. Meshes with other dimensions (tensor or context parallel) are not supported yet; "
                 "pass replicate= and shard= if your dimensions have other names")
         self.mesh, self.shard_mesh = mesh, mesh[shard]
@@ -86,20 +88,20 @@ class MeshSharding:
     def piece(self, p, name):
         """Parameter ``p``'s :class:`Piece` on this rank; ConfigError for what is not supported."""
         if not is_dtensor(p):
-            raise ConfigError(f"parameter {name!r} is not sharded: HybridSLAMB takes a model whose parameters "
+            raise ConfigError(f"parameter {name!r} is not sharded: {self.who} takes a model whose parameters "
                               "fully_shard(module, mesh=mesh['shard']) sharded (wrap every module that holds "
                               "parameters, or the root)")
         where = p.device_mesh
         if where.ndim == 2:
             raise ConfigError(f"parameter {name!r} is sharded over the whole 2-D mesh: FSDP2 then all-reduces its "
                               "gradient across the replicas itself, densely. Shard over the pieces only: "
-                              "fully_shard(module, mesh=mesh['shard']); HybridSLAMB makes the replica exchange")
+                              f"fully_shard(module, mesh=mesh['shard']); {self.who} makes the replica exchange")
         if where.mesh.tolist() != self.shard_mesh.mesh.tolist():
             raise ConfigError(f"parameter {name!r} is sharded over ranks {where.mesh.tolist()}, not over this "
                               f"mesh's shard dimension {self.shard_mesh.mesh.tolist()}")
         kinds = [type(pl).__name__ + str(getattr(pl, "dim", "")) for pl in p.placements]
         if kinds != ["Shard0"]:
-            raise ConfigError(f"parameter {name!r} has placements {list(p.placements)}: HybridSLAMB supports "
+            raise ConfigError(f"parameter {name!r} has placements {list(p.placements)}: {self.who} supports "
                               "FSDP2's default Shard(0) (no shard_placement_fn, no tensor parallel)")
         shape, local = tuple(p.shape), tuple(local_of(p).shape)
         n0 = shape[0] if shape else 1

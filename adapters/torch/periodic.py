@@ -10,6 +10,12 @@ and no DDP (each rank trains alone between averages). The rules are the core's,
 section 12), run over :class:`~slamb_comm.adapters.torch.collectives.TorchTransport` (or alone
 when no process group is initialised). Parameters are bucketed by device and compute dtype
 (16-bit ones through float32 copies, written back), one core object per bucket.
+
+On a model sharded by FSDP2 over the ``"shard"`` dimension of a ``(replicate, shard)`` mesh (the
+layout of :mod:`.fsdp`), pass ``mesh=``: every average then runs over the replicas of each rank's
+pieces (``local_of`` of the parameters and of Adam's moments), docs/algorithm.md section 15.2::
+
+    opt = DiLoCo(torch.optim.AdamW(model.parameters(), lr=3e-4), mesh=mesh)
 """
 
 import numpy as np
@@ -19,10 +25,12 @@ import torch.distributed as dist
 from slamb_comm import arrays as _arr
 from slamb_comm import periodic as core
 from slamb_comm.stats import Traffic, per_step
+from slamb_comm.errors import ConfigError
 from slamb_comm.transports import LocalTransport
 
 from .collectives import TorchTransport
-from .tensors import as_compute, cuda_scope, state_dtype
+from .hybrid_topk import mesh_pieces
+from .tensors import as_compute, cuda_scope, is_dtensor, local_of, state_dtype
 
 __all__ = ["OuterLoop", "DiLoCo", "DesLoc"]
 
@@ -42,8 +50,9 @@ class _Bucket:
         self.params, self.names, self.core = [], [], None
 
     def computes(self, tensors):
-        """``tensors`` as contiguous tensors of the compute dtype (views where they are already)."""
-        return [as_compute(t, self.dtype) for t in tensors]
+        """``tensors`` (a DTensor's local piece for FSDP2's) as contiguous tensors of the compute
+        dtype (views where they are already)."""
+        return [as_compute(local_of(t), self.dtype) for t in tensors]
 
     def arrays(self, computes):
         return [_arr.as_array(c) for c in computes]
@@ -52,6 +61,7 @@ class _Bucket:
     def write_back(tensors, computes):
         """Copy the compute tensors that are copies (16-bit, non-contiguous) back into ``tensors``."""
         for t, c in zip(tensors, computes):
+            t = local_of(t)
             if c.data_ptr() != t.data_ptr() or c.dtype != t.dtype:
                 t.detach().copy_(c)
 
@@ -82,21 +92,42 @@ class OuterLoop(torch.optim.Optimizer):
     base of :class:`DiLoCo`, :class:`DesLoc` and :mod:`.sparseloco`'s optimizers."""
 
     method = None
+    takes_mesh = False  # whether the subclass passes mesh= (FSDP2 pieces, averaged over their replicas)
 
-    def _wrap(self, optimizer, process_group, make_core):
+    def _wrap(self, optimizer, process_group, make_core, mesh=None, replicate="replicate", shard="shard"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{self.method} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.state = optimizer.state
-        transport = _transport(process_group)
         self._buckets = _buckets(optimizer)
+        if mesh is not None and process_group is not None:
+            raise ConfigError(f"{self.method}: pass mesh= (a model sharded by FSDP2) or process_group=, not both")
+        if mesh is not None:
+            transport = self._mesh_transport(mesh, replicate, shard)
+        else:
+            sharded = [n for b in self._buckets for p, n in zip(b.params, b.names) if is_dtensor(p)]
+            if sharded:
+                fix = (f"Shard the model with fully_shard(module, mesh=mesh['shard']) on a 2-D mesh init_device_mesh("
+                       f"device, (R, S), mesh_dim_names=('replicate', 'shard')) and pass {self.method}(optimizer, "
+                       "mesh=mesh): it averages each piece over its replicas" if self.takes_mesh else
+                       f"{self.method} does not support sharded parameters yet (DiLoCo and DesLoc take mesh=)")
+                raise ConfigError(f"{self.method}: parameter(s) {sharded[:3]} are DTensors (sharded by FSDP2): "
+                                  f"averaging them over a process group would mix different pieces. {fix}")
+            transport = _transport(process_group)
         with torch.no_grad():
             for b in self._buckets:
                 comp = b.computes(b.params)
                 with cuda_scope(b.device):
                     b.core = make_core(transport, b.arrays(comp), b.names)
                 b.write_back(b.params, comp)  # rank 0's parameters, from the construction's broadcast
+
+    def _mesh_transport(self, mesh, replicate, shard):
+        """The transport over the replicas of this rank's pieces, every parameter checked to be a
+        piece of ``mesh[shard]`` (FSDP2's Shard(0)); ConfigError for what is not supported."""
+        named = [(n, p) for b in self._buckets for p, n in zip(b.params, b.names)]
+        sharding, _ = mesh_pieces(mesh, named, self.method, replicate, shard)
+        return sharding.replicas
 
     @property
     def cores(self):
@@ -175,6 +206,11 @@ class DiLoCo(OuterLoop):
         optimizer: the inner optimizer (any ``torch.optim.Optimizer``).
         process_group: the group to average in (default: the default group; alone when
             torch.distributed is not initialised).
+        mesh: instead of ``process_group``, for a model sharded by FSDP2 over ``mesh["shard"]``
+            of a 2-D ``(replicate, shard)`` DeviceMesh: each rank's pieces are averaged over their
+            replicas (docs/algorithm.md section 15.2); ConfigError for other meshes and
+            placements (:class:`~.fsdp.MeshSharding`'s checks), and for DTensor parameters
+            without ``mesh=``. ``replicate``/``shard``: the mesh's dimension names.
         sync_interval: H, inner steps between outer steps (default 50).
         outer_lr: the outer learning rate (default 0.7). outer_momentum: Nesterov momentum
             in [0, 1) (default 0.9).
@@ -186,12 +222,13 @@ class DiLoCo(OuterLoop):
     """
 
     method = "DiLoCo"
+    takes_mesh = True
 
     def __init__(self, optimizer, process_group=None, sync_interval=core.DEFAULT_INTERVAL, outer_lr=0.7,
-                 outer_momentum=0.9, value_dtype="float32"):
+                 outer_momentum=0.9, value_dtype="float32", *, mesh=None, replicate="replicate", shard="shard"):
         self._wrap(optimizer, process_group, lambda t, arrays, names: core.DiLoCo(
             t, arrays, sync_interval=sync_interval, outer_lr=outer_lr, outer_momentum=outer_momentum,
-            value_dtype=value_dtype, names=names))
+            value_dtype=value_dtype, names=names), mesh, replicate, shard)
 
 
 class DesLoc(OuterLoop):
@@ -207,15 +244,17 @@ class DesLoc(OuterLoop):
     Args:
         optimizer: an Adam-family optimizer whose state has ``exp_avg`` and ``exp_avg_sq``
             (Adam, AdamW, NAdam, RAdam); TypeError otherwise (e.g. SGD: use :class:`DiLoCo`).
-        process_group: as :class:`DiLoCo`.
+        process_group, mesh, replicate, shard: as :class:`DiLoCo` (with ``mesh=``, Adam's moments
+            are averaged piece by piece too).
         sync_interval: Kx (default 50). moment1_interval: Ku (default ``3 * sync_interval``).
         moment2_interval: Kv (default ``6 * sync_interval``).
     """
 
     method = "DesLoc"
+    takes_mesh = True
 
     def __init__(self, optimizer, process_group=None, sync_interval=core.DEFAULT_INTERVAL, moment1_interval=None,
-                 moment2_interval=None):
+                 moment2_interval=None, *, mesh=None, replicate="replicate", shard="shard"):
         if isinstance(optimizer, torch.optim.Optimizer) and "betas" not in optimizer.defaults:
             raise TypeError(f"DesLoc averages Adam's moments (state 'exp_avg', 'exp_avg_sq'); "
                             f"{type(optimizer).__name__} has none: wrap torch.optim.Adam/AdamW, or use DiLoCo, "
@@ -223,7 +262,7 @@ class DesLoc(OuterLoop):
         self._checked = False
         self._wrap(optimizer, process_group, lambda t, arrays, names: core.DesLoc(
             t, arrays, sync_interval=sync_interval, moment1_interval=moment1_interval,
-            moment2_interval=moment2_interval, names=names))
+            moment2_interval=moment2_interval, names=names), mesh, replicate, shard)
 
     def _moments(self, b, key):
         """Per parameter: the state tensor ``key``, or zeros where the parameter has no state yet."""
@@ -234,7 +273,7 @@ class DesLoc(OuterLoop):
                 raise TypeError(f"DesLoc averages the optimizer state {key!r}, which "
                                 f"{type(self.optimizer).__name__} does not keep (its state has {sorted(st)}): "
                                 "wrap torch.optim.Adam/AdamW, or use DiLoCo")
-            out.append(st[key] if st else torch.zeros(p.shape, dtype=b.dtype, device=p.device))
+            out.append(st[key] if st else torch.zeros(local_of(p).shape, dtype=b.dtype, device=p.device))
         return out
 
     @torch.no_grad()
