@@ -4,6 +4,9 @@ the replicas of a piece, the norms over the pieces. Compared, at every step, wit
 reference of SLAMB at R ranks on whole tensors (mpi_tests/slamb_reference.py), at every R x S grid
 of the MPI world (1, 2 and 4 ranks: 1x1, 1x2, 2x1, 1x4, 2x2, 4x1)."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -14,6 +17,9 @@ from slamb_comm.masks import CyclicMask
 from slamb_comm.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
 
 # (3, 5000): at 4 pieces of 1, 1, 1 and 0 rows (one rank holds nothing of it); (30, 40) and (200,)
 # are always dense; the others compressible
@@ -84,6 +90,33 @@ def test_sharded_slamb_matches_the_unsharded_reference(ratio):
                     worst = max(worst, float(np.max(np.abs(mine - want)) / np.max(np.abs(want))))
         assert worst < 1e-9, (R, S, worst)
         assert opt.t == 12
+
+
+@pytest.mark.mpi
+def test_sharded_slamb_on_the_device_kernels_matches_the_unsharded_reference():
+    """The device kernels (a GPU's path) on one fused buffer of pieces, through the strict double:
+    the pieces' norms summed over the shard group between the moments and the trust kernels."""
+    P = MPI.COMM_WORLD.size
+    whole = Layout(SHAPES, "float64")
+    with strict_cupy.install() as cp:
+        strict_cupy.Device.current = 0
+        for R, S in grids(P):
+            strict_cupy.reset_counts()
+            x, opt, r, s = build(R, S, 0.1)
+            flat = cp.asarray(np.concatenate([a.ravel() for a in x]))
+            ref = ReferenceSlamb([whole_params(q) for q in range(R)], whole.offsets, lr=0.02, wd=0.01, beta3=0.9, H=4)
+            mask, worst = CyclicMask(whole, 0.1, 11), 0.0
+            for t in range(1, 8):
+                grads = [whole_grads(q, t, ref.x[q]) for q in range(R)]
+                opt.step(flat, cp.asarray(np.concatenate([piece(g, S, s).ravel() for g in grads[r]])))
+                ref.step(grads, mask.select(t).index.astype(np.int64))
+                for mine, want in zip(opt.layout.views(flat.get()), ref.x[r]):
+                    want = piece(want, S, s)
+                    if want.size:
+                        worst = max(worst, float(np.max(np.abs(mine - want)) / np.max(np.abs(want))))
+            assert worst < 1e-9, (R, S, worst)
+            updates = sum(n for op, n in strict_cupy.launches.items() if op.startswith("kernel(slamb_update"))
+            assert updates == 7, "the device kernels did not take every step"
 
 
 @pytest.mark.mpi

@@ -28,8 +28,7 @@ per tensor, built from a fused buffer, a list of arrays, or an adapter's :class:
 copied to the device only when an address changes.
 
 Where this path does not apply the step goes tensor by tensor (:func:`applies`): NumPy arrays,
-the bernoulli and topk masks, ``block > 1``, sharded tensors (the norms' sum over the shard
-group), more than :data:`MAX_LEVELS` ratio changes within one
+the bernoulli and topk masks, ``block > 1``, more than :data:`MAX_LEVELS` ratio changes within one
 cycle, and tensors that once skipped a step (their freshness is stored, not derived).
 """
 
@@ -45,6 +44,10 @@ from .errors import LayoutError, NonFiniteError
 
 __all__ = ["DeviceStep", "Plan", "applies", "MAX_LEVELS"]
 
+#: the unit shift that marks an always-dense tensor in the kernels' tables (``SLAMB_DENSE_SHIFT``): a
+#: compressible piece of a sharded tensor may have a negative shift (its units start past its offset)
+DENSE_SHIFT = np.iinfo(np.int64).min
+
 #: the masks whose freshness the update kernel derives: the current one and those before it still
 #: within their first cycle (a ratio schedule that changes more often goes tensor by tensor)
 MAX_LEVELS = 4
@@ -52,8 +55,7 @@ MAX_LEVELS = 4
 def applies(slamb, x, g, xp, skip):
     """Whether :class:`DeviceStep` can take this step (see the module docstring)."""
     mask = slamb.comm.mask
-    if (slamb.fused is False or xp is np or skip or slamb.has_stored_freshness or len(slamb.layout) == 0
-            or slamb.shard_group is not None):
+    if slamb.fused is False or xp is np or skip or slamb.has_stored_freshness or len(slamb.layout) == 0:
         return False
     return (mask.kind == "cyclic" and mask.block == 1
             and (mask.settled(slamb.t + 1) or len(mask.levels()) <= MAX_LEVELS))
@@ -65,7 +67,7 @@ class Plan:
     Tiles: ``TILE`` consecutive elements of one tensor, ordered by group, then by tensor in the
     group's order, so that a group's tiles are one range (one pack launch) and a tensor's tiles
     are one range (its partial sums). Per tensor: its offset, its unit shift (a compressible
-    element i is unit ``i - shift``; -1 marks an always-dense tensor) and, per chunk j, the base
+    element i is unit ``i - shift``; :data:`DENSE_SHIFT` marks an always-dense tensor) and, per chunk j, the base
     of its payload index. The payload (the "arena") holds, per chunk, every group's tensors'
     segments followed by that group's status word.
     """
@@ -77,7 +79,7 @@ class Plan:
         self.tiles = _dev.Tiles(layout, xp, groups)
         self.groups = self.tiles.groups
         self.comp = set(layout.compressible) if self.C > 1 else set()
-        shift = [layout.offsets[i] - mask.first_unit(i) if i in self.comp else -1 for i in range(T)]
+        shift = [layout.offsets[i] - mask.first_unit(i) if i in self.comp else DENSE_SHIFT for i in range(T)]
         self.tshift = xp.asarray(np.asarray(shift, np.int64))
         counts, g0 = self._chunk_tables(layout)
         self._arena(layout, counts, g0)
@@ -315,16 +317,42 @@ class DeviceStep:
             *wd, np.float64(s_u), key, np.int64(plan.C), np.int64(j), partials),
             reads=[("x, g, m, v", 4 * N * isz), ("means", k * arena.dtype.itemsize), ("tables", tables)],
             writes=[("m, v", 2 * N * isz), ("partials", 32 * nt)])
-        _k.launch(xp, "slamb_trust", min(T, _dev.GRID), (
-            partials, tiles.tt0, tiles.ntt, np.int64(T), np.float64(s_u), *lr, np.float64(math.sqrt(comm.size)),
-            np.float64(slamb.c_min), np.float64(slamb.c_max), rates, word),
-            reads=[("partials", 32 * nt), ("tables", 16 * T)], writes=[("rates", 16 * T)])
+        self._trust(plan, partials, s_u, lr, rates, word)
         lv = self._levels(xp, t)
         _k.launch(xp, _k.kernel_name("update", dt), grid, (
             *tiles.table, np.int64(nt), xtab, tiles.toff, plan.tshift, slamb.m, slamb.v, eps_t, *wd, np.float64(s_u),
             rates, key,
             np.int64(lv.C0), np.int64(lv.s0), np.int32(lv.count), lv.table, self._powers(xp), word),
             reads=[("x, m, v", 3 * N * isz), ("rates", 16 * T), ("tables", tables)], writes=[("x", N * isz)])
+
+    def _trust(self, plan, partials, s_u, lr, rates, word):
+        """Kernel 3: the trust ratios and rates from the tiles' partial norms. Sharded tensors
+        (``shard_group``): the piece's sums per tensor first, summed over the pieces (one allreduce of
+        4 floats per tensor), then the rates from those, as one "tile" per tensor."""
+        slamb, xp, tiles = self.slamb, plan.xp, plan.tiles
+        T, nt = len(slamb.layout), plan.tiles.count
+        grid, sqrt_p = min(T, _dev.GRID), np.float64(math.sqrt(slamb.comm.size))
+        bounds, none = (np.float64(slamb.c_min), np.float64(slamb.c_max)), self._scratch(xp, "one", 1, np.float64)
+        tables = (tiles.tt0, tiles.ntt)
+        if slamb.shard_group is not None and slamb.c_min != slamb.c_max:  # fixed ratios (SAdamW): no sums needed
+            sums = self._scratch(xp, "sums", 4 * T, np.float64)
+            _k.launch(xp, "slamb_trust", grid, (
+                partials, *tables, np.int64(T), np.float64(s_u), *lr, sqrt_p, *bounds, rates, word, np.int32(1), sums),
+                reads=[("partials", 32 * nt), ("tables", 16 * T)], writes=[("sums", 32 * T)])
+            slamb.shard_group.allreduce(sums[: 4 * T])
+            partials, nt = sums, T
+            tables = (self._index(xp, "first", np.arange(T)), self._index(xp, "ones", np.ones(T)))
+        _k.launch(xp, "slamb_trust", grid, (
+            partials, *tables, np.int64(T), np.float64(s_u), *lr, sqrt_p, *bounds, rates, word, np.int32(0), none),
+            reads=[("partials", 32 * nt), ("tables", 16 * T)], writes=[("rates", 16 * T)])
+
+    def _index(self, xp, name, values):
+        """A small int64 device table, built once."""
+        key = (name, len(values))
+        table = self._consts.get(key)
+        if table is None:
+            table = self._consts[key] = xp.asarray(np.asarray(values, np.int64))
+        return table
 
     def finish(self, t, x, written=None):
         """Commit step t (its update applied), then the periodic sync of x after steps 1, H + 1, ..."""

@@ -10,7 +10,8 @@ apex's FusedLAMB and torch's ``multi_tensor_apply``:
 * ``slamb_moments``: commits m and v, puts M_t's means into m, forms the direction w and each
   tile's four squared norms (x and w, all and on M_t) as float64 partial sums, without storing w;
 * ``slamb_trust``: per tensor, the sum of its tiles' partials (in tile order: deterministic),
-  the two trust ratios and the two rates;
+  the two trust ratios and the two rates (for sharded tensors, with ``sums_only``, the sums alone:
+  summed over the pieces, they are the partials of a second launch with one "tile" per tensor);
 * ``slamb_update``: recomputes w, derives each element's freshness from the cyclic mask's
   formula and updates x; flags a non-finite result for the periodic sync.
 
@@ -96,6 +97,9 @@ _KERNELS = r"""
 typedef unsigned long long u64;
 typedef long long i64;
 #define SLAMB_G1 0x9E3779B97F4A7C15ULL
+/* a tensor's unit shift when it is always dense (a compressible piece of a sharded tensor may have a
+   negative shift: its units start past its offset) */
+#define SLAMB_DENSE_SHIFT (-0x7fffffffffffffffLL - 1)
 
 /* ---- payload values: float16 travels as its bits (unsigned short) ---- */
 SLAMB_DEV void slamb_put(unsigned short* a, i64 i, float x) { a[i] = slamb_f2h(x); }
@@ -154,9 +158,10 @@ SLAMB_DEV double slamb_fresh(i64 q, u64 key, i64 C0, i64 s0, int L, const i64* l
 }
 
 /* Where element i of tensor T goes in the payload, if it is in M_t: a dense tensor's elements all
-   go (base + local index); a compressible one's when its unit is in chunk j (base + its group). */
+   go (base + local index); a compressible one's when its unit (i - shift) is in chunk j (base + its
+   group). */
 SLAMB_DEV bool slamb_selected(i64 i, i64 e, i64 shift, i64 base, u64 key, i64 C, i64 j, i64* at) {
-  if (shift < 0) { *at = base + e; return true; }
+  if (shift == SLAMB_DENSE_SHIFT) { *at = base + e; return true; }
   i64 g;
   const i64 c = slamb_chunk(i - shift, C, key, &g);
   *at = base + g;
@@ -290,7 +295,7 @@ SLAMB_DEV void slamb_moments_impl(
 SLAMB_KERNEL slamb_trust(
     const double* __restrict__ partials, const i64* __restrict__ tt0, const i64* __restrict__ ntt, i64 ntensors,
     double s_u, double lr, const double* __restrict__ lr_table, int lr_each, double sqrt_p, double c_min,
-    double c_max, double* __restrict__ rates, unsigned* __restrict__ word) {
+    double c_max, double* __restrict__ rates, unsigned* __restrict__ word, int sums_only, double* __restrict__ sums) {
   SLAMB_SHARED double sh[4][SLAMB_THREADS];
   SLAMB_FOR_THREADS(t) {
     if (blockIdx.x == 0 && t == 0) word[2] = 0; /* the update's finiteness flag, for this step */
@@ -314,7 +319,9 @@ SLAMB_KERNEL slamb_trust(
       SLAMB_SYNC();
     }
     SLAMB_FOR_THREADS(t) {
-      if (t == 0) {
+      if (t == 0 && sums_only) { /* sharded tensors: the piece's sums, to be summed over the pieces first */
+        for (int c = 0; c < 4; ++c) sums[4 * k + c] = sh[c][0];
+      } else if (t == 0) {
         const double s2 = s_u * s_u;
         const double xx = sh[0][0], uu = sh[1][0] * s2, xs = sh[2][0], us = sh[3][0] * s2;
         const double xa = xx - xs > 0.0 ? xx - xs : 0.0, ua = uu - us > 0.0 ? uu - us : 0.0;
@@ -353,7 +360,7 @@ SLAMB_DEV void slamb_update_impl(
         P w = m[i] / (slamb_sqrt(v[i]) + ceps);
         if (wdv != 0.0) w = w + xi * cwd;
         P coef;
-        if (shift < 0) {
+        if (shift == SLAMB_DENSE_SHIFT) {
           coef = (P)rs;
         } else {
           const double f = slamb_fresh(i - shift, key, C0, s0, L, lv, pw);

@@ -95,9 +95,9 @@ class SlambRule(TensorwiseStep):
             shard group of an HSDP mesh), while ``comm``'s transport spans the replicas of this
             rank's pieces. Each step then sums every tensor's squared norms over the shard group
             (4 floats per tensor) so that the trust ratios are the whole tensors', and agrees on a
-            non-finite step over it; ``P`` in the stale rate is the number of replicas. Tensor
-            by tensor on every device (the kernels of :mod:`slamb_comm.fused` do not sum over a
-            group yet).
+            non-finite step over it; ``P`` in the stale rate is the number of replicas. On a
+            device the kernels of :mod:`slamb_comm.fused` take it too (the sums between kernels 2
+            and 3).
 
     One whole step is :meth:`step`. For overlapping communication with the backward
     pass it is also offered in pieces: :meth:`begin_step`; :meth:`accumulate` per tensor as
@@ -366,23 +366,23 @@ class SlambRule(TensorwiseStep):
         the step closed and the state as it was. So several optimizers (buckets) can all exchange
         before any of them updates, and skip together."""
         xp = None if self.fused is False else _namespace_of(x)
-        if xp is not None and _fused.applies(self, x, g, xp, skip):
-            self._device_open = self.device.open_step(x, g)
-            return
         self._device_open = None
-        self.begin_step()
-        try:
-            gv = _views(self.layout, g)
-            for i in range(len(self.layout)):
-                self.accumulate(i, gv[i])
-        except Exception:
-            self.abort_step()
-            raise
+        if xp is not None and _fused.applies(self, x, g, xp, skip):
+            exchange = lambda: setattr(self, "_device_open", self.device.open_step(x, g))  # noqa: E731
+        else:
+            self.begin_step()
+            try:
+                gv = _views(self.layout, g)
+                for i in range(len(self.layout)):
+                    self.accumulate(i, gv[i])
+            except Exception:
+                self.abort_step()
+                raise
+            exchange = lambda: self.exchange(g)  # noqa: E731
         if self.shard_group is None:
-            self.exchange(g)
-            return
+            return exchange()
         try:
-            self.exchange(g)
+            exchange()
         except NonFiniteError as e:
             self._shards_agree(e)
             raise

@@ -499,7 +499,8 @@ def test_the_librarys_kernels_compile_and_run_on_the_double(strict):
     rates, word = cp.zeros(4, np.float64), cp.asarray(np.array([0, 0, 1], np.uint32))
     s_u, lr, sqrt_p, lo, hi = 0.5, 0.1, 2.0, 0.01, 10.0
     args = (cp.asarray(part.ravel()), cp.asarray(tt0), cp.asarray(ntt), np.int64(2), np.float64(s_u), np.float64(lr),
-            cp.zeros(2, np.float64), np.int32(0), np.float64(sqrt_p), np.float64(lo), np.float64(hi), rates, word)
+            cp.zeros(2, np.float64), np.int32(0), np.float64(sqrt_p), np.float64(lo), np.float64(hi), rates, word,
+            np.int32(0), cp.zeros(1, np.float64))
     with strict_cupy.counting() as c:
         K.launch(cp, K.kernel_name("trust", np.float32), 2, args, reads=[("partials", part.nbytes)],
                  writes=[("rates", 32), ("word", 4)])

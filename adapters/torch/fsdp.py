@@ -51,7 +51,7 @@ _log = logging.getLogger("slamb_comm")
 #: the per-parameter state that differs between replicas
 _PER_REPLICA = ("exp_avg", "exp_avg_sq", "freshness")
 
-__all__ = ["HybridSLAMB", "HybridSAdamW", "BackwardWatch", "MeshSharding", "Piece"]
+__all__ = ["HybridSLAMB", "HybridSAdamW", "BackwardWatch", "MeshSharding", "Piece", "mesh_pieces"]
 
 
 class Piece(NamedTuple):
@@ -134,6 +134,13 @@ class MeshSharding:
         with torch.no_grad():
             for p in params:
                 dist.broadcast(local_of(p), src=src, group=self.replicas_group)
+
+
+def mesh_pieces(mesh, named, who, replicate="replicate", shard="shard"):
+    """:class:`MeshSharding` of ``mesh`` and the :class:`Piece` of every ``(name, parameter)`` in
+    ``named``; ConfigError (naming ``who``) for what is not supported."""
+    sharding = MeshSharding(mesh, replicate, shard, who=who)
+    return sharding, [sharding.piece(p, name) for name, p in named]
 
 
 class BackwardWatch:

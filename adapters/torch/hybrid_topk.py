@@ -40,23 +40,16 @@ from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError, NonFiniteError, PeerError
 from slamb_comm.stats import Traffic
 
-from .fsdp import MeshSharding
+from .fsdp import mesh_pieces
 from .params import run_closure
 from .tensors import as_compute, cuda_scope, local_of, np_dtype, state_dtype, tensor_of
 
-__all__ = ["HybridTopK", "mesh_pieces"]
+__all__ = ["HybridTopK"]
 
 _log = logging.getLogger("slamb_comm")
 
 # the verdicts of one step's exchange, agreed over the shard group (the largest wins)
 _OK, _NON_FINITE, _FAILED = 0, 1, 2
-
-
-def mesh_pieces(mesh, named, who, replicate="replicate", shard="shard"):
-    """:class:`~.fsdp.MeshSharding` of ``mesh`` and the :class:`~.fsdp.Piece` of every ``(name,
-    parameter)`` in ``named``; ConfigError (naming ``who``) for what is not supported."""
-    sharding = MeshSharding(mesh, replicate, shard, who=who)
-    return sharding, [sharding.piece(p, name) for name, p in named]
 
 
 class _Bucket:

@@ -29,7 +29,7 @@ from slamb_comm.errors import ConfigError
 from slamb_comm.transports import LocalTransport
 
 from .collectives import TorchTransport
-from .hybrid_topk import mesh_pieces
+from .fsdp import mesh_pieces
 from .tensors import as_compute, cuda_scope, is_dtensor, local_of, state_dtype
 
 __all__ = ["OuterLoop", "DiLoCo", "DesLoc"]
