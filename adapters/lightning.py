@@ -330,6 +330,7 @@ class SlambModelParallelStrategy(ModelParallelStrategy):
         super().setup_environment()
         self._device_mesh = init_device_mesh(self.root_device.type, (R, world // R),
                                              mesh_dim_names=("replicate", "shard"))
+        # as ModelParallelStrategy.setup_environment hands its mesh to the module (Lightning has no setter)
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -350,7 +351,7 @@ class SlambModelParallelStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """The step (as ``ModelParallelStrategy``), then its bytes: ``last_traffic`` and the module's log."""
         out = super().optimizer_step(optimizer, closure, model=model, **kwargs)
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         traffic = opt.step_traffic() if isinstance(opt, HybridSLAMB) else None
         if traffic is not None and traffic.calls:
             self.last_traffic = traffic
@@ -385,7 +386,7 @@ class SlambModelParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer):
         """This rank's own pieces' optimizer state (written to its own file by :meth:`save_checkpoint`)."""
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         return optimizer.state_dict()
 
     def _own_tensors(self):
