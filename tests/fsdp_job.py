@@ -103,7 +103,9 @@ def match(R, S, sadamw=False):
         worst.append(err)
         tr = opt.step_traffic()
         traffic.append([tr.payload_bytes, tr.dense_payload_bytes])
-    return {"rank": rank, "r": r, "s": s, "worst": worst, "traffic": traffic, "steps": opt.steps_taken()}
+    control = opt.communicators[0].stats.by_kind["control"]
+    return {"rank": rank, "r": r, "s": s, "worst": worst, "traffic": traffic, "steps": opt.steps_taken(),
+            "control": [control.calls, control.payload_bytes]}
 
 
 def _start(p, S, s):

@@ -27,6 +27,9 @@ def _run(tmp_path, mode, R, S):
 def _check_match(results, R, S):
     for res in results:
         assert res["steps"] == 9
+        # the agreements that cross the replicas are counted too: per step, which of the 6 parameters
+        # have a gradient (6 float64) and the end-of-backward word (1 float64)
+        assert res["control"] == [9, 9 * 7 * 8], res["control"]
         assert max(res["worst"]) < 1e-6, res  # the issue's bound; float64 gives about 1e-8 (the gradients
         # are FSDP2's reduce-scatter averages, summed in another order than the reference's autograd)
     if R > 1:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard as TShard
 
 from slamb_comm.codecs import Shard
 from slamb_comm.errors import ConfigError
+from slamb_comm.stats import Traffic, allreduce_wire
 
 from .collectives import TorchTransport
 from .contract import queue_callback
@@ -160,6 +161,7 @@ class BackwardWatch:
                               "sharded model")
         self.sharding, self.params = sharding, params
         self.bad, self.queued = None, False
+        self.replica_bytes = 0  # what its agreements sent across the replicas since the last take_bytes()
         for m in modules:
             m.set_all_reduce_hook(self.note)
 
@@ -174,6 +176,11 @@ class BackwardWatch:
             except RuntimeError:  # not inside a backward pass: step() agrees instead
                 pass
 
+    def take_bytes(self):
+        """The bytes its agreements sent across the replicas since the last call."""
+        sent, self.replica_bytes = self.replica_bytes, 0
+        return sent
+
     def agree(self):
         """At the end of backward (or at step(), if no backward pass queued it): the collective
         decision, and the poison."""
@@ -184,6 +191,7 @@ class BackwardWatch:
         self.bad = None
         dist.all_reduce(word, group=self.sharding.replicas_group)
         dist.all_reduce(word, group=self.sharding.pieces_group)
+        self.replica_bytes += word.numel() * word.element_size()
         if word.item() > 0:
             with torch.no_grad():
                 for p in self.params:
@@ -239,8 +247,21 @@ class HybridSLAMB(SLAMB):
         for p, n in zip(params, have.tolist()):
             if p.grad is None and n > 0:
                 p.grad = torch.zeros_like(p)
+        self._count_control(have.numel() * have.element_size() if params else 0)
         super().step()
         return loss
+
+    def _count_control(self, nbytes):
+        """The step's small agreements across the replicas (which gradients exist; the end-of-backward
+        word) in the first bucket's statistics, kind ``"control"``: so :meth:`step_traffic` counts
+        every byte that crosses the replicas."""
+        nbytes += self.watch.take_bytes()
+        comms = self.communicators
+        if nbytes and comms:
+            R = self._sharding.R
+            comms[0].stats.record("control", Traffic.one_call(
+                payload_bytes=nbytes, wire_bytes=allreduce_wire(nbytes, R), dense_bytes=0, size=R,
+                elements_sent=nbytes // 8, elements_total=0))
 
     def state_dict(self):
         """This rank's state; each parameter's ``exp_avg``, ``exp_avg_sq`` and ``freshness`` as a

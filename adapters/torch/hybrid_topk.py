@@ -38,7 +38,7 @@ from slamb_comm import arrays as _arr
 from slamb_comm.codecs import Layout, TopK
 from slamb_comm.communicator import Communicator
 from slamb_comm.errors import ConfigError, NonFiniteError, PeerError
-from slamb_comm.stats import Traffic
+from slamb_comm.stats import Traffic, allreduce_wire
 
 from .fsdp import mesh_pieces
 from .params import run_closure
@@ -140,6 +140,11 @@ class HybridTopK(torch.optim.Optimizer):
         if self._params:
             dist.all_reduce(have, group=self._sharding.replicas_group)
             dist.all_reduce(have, group=self._sharding.pieces_group)
+            if self._buckets:  # counted where step_traffic() reads: every byte across the replicas
+                n, R = have.numel() * have.element_size(), self._sharding.R
+                self._buckets[0].comm.stats.record("control", Traffic.one_call(
+                    payload_bytes=n, wire_bytes=allreduce_wire(n, R), dense_bytes=0, size=R,
+                    elements_sent=have.numel(), elements_total=0))
         nowhere = set()
         for p, n in zip(self._params, have.tolist()):
             if n == 0:
