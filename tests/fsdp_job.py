@@ -135,15 +135,24 @@ def errors(R, S):
     return out
 
 
+def float_run(mesh, seed=3):
+    """A float32 model sharded over ``mesh["shard"]`` and its HybridSLAMB (mask seed ``seed``)."""
+    model = shard(make_model().float(), mesh["shard"])
+    return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=seed, **OPTS)
+
+
+def train(model, opt, steps, r, s):
+    for t in steps:
+        opt.zero_grad()
+        loss_of(model, *(a.float() for a in batch(t, r, s))).backward()
+        opt.step()
+
+
 def recipes(R, S):
     """What users do between backward() and step(), each against the run it must equal."""
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     last = dist.get_rank() == dist.get_world_size() - 1
-
-    def build():
-        model = shard(make_model().float(), mesh["shard"])
-        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, **OPTS)
 
     def pieces(model):
         return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]).clone()
@@ -170,7 +179,7 @@ def recipes(R, S):
         return norm
 
     out = {}
-    (ma, oa), (mb, ob) = build(), build()
+    (ma, oa), (mb, ob) = float_run(mesh), float_run(mesh)
     amp = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for t in range(1, 6):
         plain(ma, oa, t)
@@ -179,7 +188,7 @@ def recipes(R, S):
 
     # an inf in the last rank's loss at step 3, under the scaler with unscale_ and clip_grad_norm_:
     # every rank skips and halves alike; the run equals the run without step 3
-    (mc, oc), (md, od) = build(), build()
+    (mc, oc), (md, od) = float_run(mesh), float_run(mesh)
     amp_c, amp_d, norms = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0), []
     for t in range(1, 6):
         norms.append(scaled(mc, oc, amp_c, t, poison=last and t == 3, clip=0.05))
@@ -192,13 +201,13 @@ def recipes(R, S):
     out["inf_norm_at_3"] = norms[2]
 
     # the same inf without a scaler: the optimizer skips the step on every rank
-    (me_, oe) = build()
+    (me_, oe) = float_run(mesh)
     for t in range(1, 5):
         plain(me_, oe, t, poison=last and t == 3)
     out["skipped"], out["steps_no_scaler"] = oe.skipped_steps, oe.steps_taken()
 
     # accumulation: two micro-batches, FSDP2's reduce-scatter only after the second, against one batch
-    (mf, of), (mg, og) = build(), build()
+    (mf, of), (mg, og) = float_run(mesh), float_run(mesh)
     for t in range(1, 5):
         of.zero_grad()
         for part in (0, 1):
@@ -209,7 +218,7 @@ def recipes(R, S):
     out["accumulation_diff"] = float((pieces(mf) - pieces(mg)).abs().max() / pieces(mg).abs().max())
 
     # bf16 autocast: it trains, and the periodic sync leaves the replicas equal
-    mh, oh = build()
+    mh, oh = float_run(mesh)
     losses = []
     for t in range(1, H + 2):
         oh.zero_grad()
@@ -232,29 +241,19 @@ def resume(R, S):
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
 
-    def build(seed):
-        model = shard(make_model().float(), mesh["shard"])
-        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=seed, **OPTS)
-
-    def train(model, opt, steps):
-        for t in steps:
-            opt.zero_grad()
-            loss_of(model, *(a.float() for a in batch(t, r, s))).backward()
-            opt.step()
-
-    (ma, oa), (mb, ob) = build(3), build(3)
-    train(ma, oa, range(1, 8))
-    train(mb, ob, range(1, 4))
+    (ma, oa), (mb, ob) = float_run(mesh, 3), float_run(mesh, 3)
+    train(ma, oa, range(1, 8), r, s)
+    train(mb, ob, range(1, 4), r, s)
     buf = io.BytesIO()  # what torch.save(..., f"ckpt.{rank}.pt") writes
     torch.save({"model": {n: p.to_local().detach() for n, p in mb.named_parameters()}, "opt": ob.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf)
-    mc, oc = build(4)
+    mc, oc = float_run(mesh, 4)
     with torch.no_grad():
         for n, p in mc.named_parameters():
             p.to_local().copy_(saved["model"][n])
     oc.load_state_dict(saved["opt"])
-    train(mc, oc, range(4, 8))
+    train(mc, oc, range(4, 8), r, s)
     same = all(torch.equal(a.to_local(), c.to_local()) for a, c in zip(ma.parameters(), mc.parameters()))
     return {"bitwise": bool(same), "steps": oc.steps_taken(), "seed": int(oc.communicators[0].seed)}
 
@@ -270,27 +269,17 @@ def dcp_resume(R, S, out_dir):
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
 
-    def build(seed):
-        model = shard(make_model().float(), mesh["shard"])
-        return model, st.HybridSLAMB(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=seed, **OPTS)
-
-    def train(model, opt, steps):
-        for t in steps:
-            opt.zero_grad()
-            loss_of(model, *(a.float() for a in batch(t, r, s))).backward()
-            opt.step()
-
     path = os.path.join(out_dir, "dcp")
-    (ma, oa), (mb, ob) = build(3), build(3)
-    train(ma, oa, range(1, 9))
-    train(mb, ob, range(1, 6))
+    (ma, oa), (mb, ob) = float_run(mesh, 3), float_run(mesh, 3)
+    train(ma, oa, range(1, 9), r, s)
+    train(mb, ob, range(1, 6), r, s)
     dcp.save({"model": get_model_state_dict(mb), "optim": get_optimizer_state_dict(mb, ob)}, checkpoint_id=path)
-    mc, oc = build(4)
+    mc, oc = float_run(mesh, 4)
     sd = {"model": get_model_state_dict(mc), "optim": get_optimizer_state_dict(mc, oc)}
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(mc, sd["model"])
     set_optimizer_state_dict(mc, oc, sd["optim"])
-    train(mc, oc, range(6, 9))
+    train(mc, oc, range(6, 9), r, s)
     same = all(torch.equal(a.to_local(), c.to_local()) for a, c in zip(ma.parameters(), mc.parameters()))
     m_same = all(torch.equal(oa.state[a]["exp_avg"], oc.state[c]["exp_avg"]) for a, c in zip(ma.parameters(),
                                                                                            mc.parameters()))

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import slamb_comm
 from slamb_comm.errors import ConfigError, NonFiniteError
@@ -43,35 +42,13 @@ from slamb_comm.adapters.torch.hybrid_topk import HybridTopK
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from adamw_reference import Adam  # noqa: E402  (AdamW in float64, written out as torch computes it)
+# the model (at S = 2 its 33-, 5- and 3-row weights are cut unevenly), its batches, its loss, its sharding
+from fsdp_job import batch, loss_of, make_model, shard  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 8
 ADAMW = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-
-def make_model():
-    torch.manual_seed(0)
-    # at S = 2 the 33-, 5- and 3-row weights are cut unevenly (17/16, 3/2, 2/1 rows); with
-    # dense_threshold 90 the 264-, 165- and 99-element weights are compressible (their pieces of
-    # 66 or 33 elements too: the rule reads the whole shape) and the biases always dense
-    return torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5), torch.nn.Tanh(),
-                               torch.nn.Linear(5, 3)).double()
-
-
-def batch(t, r, s):
-    g = torch.Generator().manual_seed(1000 * t + 10 * r + s)
-    return torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
-
-
-def loss_of(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def shard(model, mesh):
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def setup(R, S):
