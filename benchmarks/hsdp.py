@@ -1,21 +1,24 @@
 # OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 benchmarks/hsdp.py measure --out benchmarks/results/hsdp_bytes.csv
 # OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 benchmarks/hsdp.py measure --d-model 512 --batch 1 \
 #     --steps 12 --out benchmarks/results/hsdp_bytes_13m.csv    (bytes and memory at the timing size)
-# sudo python3 benchmarks/hsdp.py time --rates 1gbit,10gbit,none --repeats 3 --out benchmarks/results/hsdp_time.csv
+# sudo python3 benchmarks/hsdp.py time --rates 1gbit,10gbit,none --repeats 3 --arms hsdp_adamw,hybrid_slamb,hybrid_slamb_overlap \
+#     --out benchmarks/results/hsdp_time.csv
 # sudo python3 benchmarks/hsdp.py cleanup --prefix slambh   (only after a kill -9 left namespaces behind)
 """HybridSLAMB across the replicas of an FSDP2 model against stock HSDP + AdamW: bytes, memory, step time.
 
 The model is a small GPT-like transformer (:func:`gpt`: token and position embeddings, pre-norm
 blocks of causal self-attention and a 4x MLP, a final norm and an untied head), each block and the
 root sharded by FSDP2's ``fully_shard``, on a 2 x 2 ``(replicate, shard)`` mesh of 4 CPU ranks
-(gloo, one thread each). The two arms, each a fresh model and optimizer:
+(gloo, one thread each). The arms, each a fresh model and optimizer:
 
 * ``hsdp_adamw`` -- stock HSDP: ``fully_shard(block, mesh=mesh)`` on the 2-D mesh, so FSDP2
   reduce-scatters each gradient in its shard group and all-reduces every gradient piece across
   the replicas (float32, densely), and ``torch.optim.AdamW(foreach=True)``: the baseline;
 * ``hybrid_slamb`` -- ``fully_shard(block, mesh=mesh["shard"])`` (no replica allreduce) and
-  ``HybridSLAMB(model, mesh, ratio=0.1, value_dtype="float16", sync_interval=100)``, which exchanges the
-  momentum of each rank's pieces sparsely across the replicas in ``step()``.
+  ``HybridSLAMB(model, mesh, ratio=0.1, value_dtype="float16", sync_interval=100, overlap=False)``, which
+  exchanges the momentum of each rank's pieces sparsely across the replicas in ``step()``;
+* ``hybrid_slamb_overlap`` (``--arms``, not run unless named) -- the same with ``overlap=True``: each FSDP
+  module's exchange starts during the backward pass (adapters/torch/fsdp_overlap.py).
 
 Sub-commands:
 
@@ -66,7 +69,7 @@ from csvout import write_rows  # noqa: E402
 from hsdp_costs import (CollectiveMeter, bytes_table, memory_table, optimizer_bytes, peak_bytes,  # noqa: E402
                         pin_mmap_threshold, reset_peak, rss_bytes, time_table)
 
-ARMS = ("hsdp_adamw", "hybrid_slamb")
+ARMS = ("hsdp_adamw", "hybrid_slamb")  # the default --arms; also "hybrid_slamb_overlap"
 BASE = "hsdp_adamw"
 
 
@@ -136,8 +139,8 @@ def make_optimizer(arm, args, mesh, model):
 
     if arm == BASE:
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-    return st.HybridSLAMB(model, mesh, lr=2e-3, weight_decay=0.01, ratio=args.ratio,
-                          value_dtype=args.value_dtype, sync_interval=args.sync_interval)
+    return st.HybridSLAMB(model, mesh, lr=2e-3, weight_decay=0.01, ratio=args.ratio, value_dtype=args.value_dtype,
+                          sync_interval=args.sync_interval, overlap=arm == "hybrid_slamb_overlap")
 
 
 def build(arm, args, mesh):

@@ -288,9 +288,8 @@ class TensorwiseStep:
                 written(i)
         for c, sums in zip(opened, self._whole_sums(opened)):
             xp = _arr.namespace(c.tv.x)
-            with _arr.device_scope(c.tv.x):
-                self._direction(xp, c)  # the scratch w held the last tensor's: formed again from m, v, x
-                fin = self._move(xp, c, t, sums, lr[c.tv.i], F, sync)
+            with _arr.device_scope(c.tv.x):  # the scratch w held the last tensor's: w formed again, range by range
+                fin = self._move(xp, c, t, sums, lr[c.tv.i], F, sync, again=True)
             if sync:
                 bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
             if written is not None:
@@ -382,33 +381,30 @@ class TensorwiseStep:
         sums = self._moments_pass(xp, tv, mean, scale, t, wd / s_u)
         return _Commit(tv=tv, sums=sums, s_u=s_u, wd_w=wd / s_u)
 
-    def _move(self, xp, c, t, sums, lr, F, check=False):
+    def _move(self, xp, c, t, sums, lr, F, check=False, again=False):
         """Pass 2 of a committed tensor: the trust ratios from the squared norms ``sums`` (the
         piece's own, or the whole tensor's when sharded), then the update of x (with ``check``:
-        returns whether the updated tensor is finite, from the update's pass)."""
+        returns whether the updated tensor is finite, from the update's pass). ``again``: the
+        scratch w no longer holds this tensor's direction (sharded tensors: every tensor's
+        moments came first); the update pass forms it again from m, v and x, range by range."""
         xx, ww, xs, ws = sums
         s2 = c.s_u * c.s_u
         phi_s, phi_a = self._ratios(xp, (xx, ww * s2, xs, ws * s2))
         # x -= (lr phi_S f + lr / sqrt(P) phi_A (1 - f)) u, with u = s w
         rate_s, rate_a = lr * c.s_u * phi_s, lr * c.s_u / math.sqrt(self.comm.size) * phi_a
-        return self._update_pass(xp, c.tv, t, rate_s, rate_a, F, check)
+        return self._update_pass(xp, c.tv, t, rate_s, rate_a, F, check, c.wd_w if again else None)
 
-    def _direction(self, xp, c):
-        """The direction w of a committed tensor formed again, in the scratch w, from its committed
-        m and v and its x (the same operations as :meth:`_moments_pass`, so the same bits)."""
-        tv, dtype = c.tv, self.layout.dtype
-        dt = dtype.type
-        c_eps, c_wd = dt(self.eps * math.sqrt(1.0 - self.betas[1] ** self._open())), dt(c.wd_w)
-        for r in tv.ranges:
-            lo, hi = r[0], r[1]
-            wb = tv.w[lo:hi]
-            xp.sqrt(tv.v[lo:hi], out=wb)
-            wb += c_eps
-            xp.divide(tv.m[lo:hi], wb, out=wb)
-            if c_wd:
-                tmp = tv.tmp[: hi - lo]
-                xp.multiply(tv.x[lo:hi], c_wd, out=tmp)
-                xp.add(wb, tmp, out=wb)
+    def _direction(self, xp, tv, lo, hi, wb, c_eps, c_wd):
+        """``wb = m / (sqrt(v) + eps') + wd' x`` on elements lo..hi of tensor ``tv`` (the same
+        operations as :meth:`_moments_pass`, so the same bits); returns ``wb``."""
+        xp.sqrt(tv.v[lo:hi], out=wb)
+        wb += c_eps
+        xp.divide(tv.m[lo:hi], wb, out=wb)
+        if c_wd:
+            tmp = tv.tmp[: hi - lo]
+            xp.multiply(tv.x[lo:hi], c_wd, out=tmp)
+            xp.add(wb, tmp, out=wb)
+        return wb
 
     def _moments_pass(self, xp, tv, mean, scale, t, wd_w):
         """Pass 1 over tensor ``tv``: the moments (in place: the exchange succeeded), M_t's means,
@@ -443,12 +439,7 @@ class TensorwiseStep:
             if f is not None and not tv.everything:
                 f[lo:hi] *= c_b3
                 picks.put(f, r, 1)
-            xp.sqrt(vb, out=wb)
-            wb += c_eps
-            xp.divide(mb, wb, out=wb)
-            if c_wd:
-                mul(xb, c_wd, out=tmp)
-                xp.add(wb, tmp, out=wb)
+            self._direction(xp, tv, lo, hi, wb, c_eps, c_wd)
             xx = xx + _sumsq(xp, xb)
             ww = ww + _sumsq(xp, wb)
             if not tv.everything and b > a:
@@ -456,12 +447,17 @@ class TensorwiseStep:
                 ws = ws + _sumsq(xp, picks.take(w, r, self._buf(xp, "tb", b - a, dtype)))
         return (xx, ww, xx, ww) if tv.everything else (xx, ww, xs, ws)
 
-    def _update_pass(self, xp, tv, t, rate_s, rate_a, F, check):
+    def _update_pass(self, xp, tv, t, rate_s, rate_a, F, check, wd_w=None):
         """Pass 2 over tensor ``tv``: ``x -= (rate_S f + rate_A (1 - f)) w``, with the freshness
         f stored, derived from the mask's schedule (a table of C coefficients, ``F``), or from
-        two masks just after a ratio change. With ``check``: whether the updated x is finite."""
+        two masks just after a ratio change. With ``check``: whether the updated x is finite. With
+        ``wd_w`` (not None): w is formed again range by range (:meth:`_direction`, weight decay
+        ``wd_w``) in the scratch just before it is read, while that range is in cache."""
         dtype = self.layout.dtype
         mul, w, f, picks, mask = xp.multiply, tv.w, tv.f, tv.picks, self.comm.mask
+        if wd_w is not None:
+            dt = dtype.type
+            again = (dt(self.eps * math.sqrt(1.0 - self.betas[1] ** t)), dt(wd_w))
         moving = f is None and not tv.everything and not mask.settled(t)  # just after a ratio change
         if tv.everything:
             coef = _scalar(xp, rate_s, dtype)
@@ -478,15 +474,16 @@ class TensorwiseStep:
         for r in tv.ranges:
             lo, hi = r[0], r[1]
             tmp = tv.tmp[: hi - lo]
+            wr = w[lo:hi] if wd_w is None else self._direction(xp, tv, lo, hi, w[lo:hi], *again)
             if tv.everything:
-                mul(w[lo:hi], coef, out=tmp)
+                mul(wr, coef, out=tmp)
             elif moving:  # derived freshness from two masks: built per range (a few steps per change)
                 fr = mask.freshness(tv.i, t, self.beta3, lo, hi, xp)
                 fr *= rate_s - rate_a
                 fr += rate_a
-                mul(fr.astype(dtype), w[lo:hi], out=tmp)
+                mul(fr.astype(dtype), wr, out=tmp)
             elif f is None:
-                picks.scale(table, r, w[lo:hi], tmp)
+                picks.scale(table, r, wr, tmp)
             else:
                 fb = f[lo:hi]
                 tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
@@ -494,7 +491,7 @@ class TensorwiseStep:
                 xp.subtract(dtype.type(1), fb, out=tmp2)
                 tmp2 *= ca
                 tmp += tmp2
-                tmp *= w[lo:hi]
+                tmp *= wr
             xb = tv.x[lo:hi]
             xb -= tmp
             if check:

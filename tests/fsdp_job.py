@@ -73,14 +73,15 @@ def reference_grads(ref, plain, t, r, S):
     return [p.grad.numpy().copy() for p in plain.parameters()]
 
 
-def match(R, S, sadamw=False):
+def match(R, S, sadamw=False, fused=None):
     """HybridSLAMB (HybridSAdamW: the trust ratios fixed at 1) against the reference at R ranks."""
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     rank = dist.get_rank()
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     model = shard(make_model(), mesh["shard"])
     kind = st.HybridSAdamW if sadamw else st.HybridSLAMB
-    opt = kind(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, eps=1e-6, **OPTS)
+    opt = kind(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, eps=1e-6, fused=fused,
+               **OPTS)
     plain = make_model()
     x0 = [p.detach().numpy().copy() for p in plain.parameters()]
     whole = Layout([a.shape for a in x0], "float64", dense_threshold=DENSE)
@@ -299,8 +300,34 @@ def no_teardown(R, S):
     return {"steps": opt.steps_taken()}
 
 
+def match_device(R, S):
+    """``match`` with the core's arrays on the strict CuPy double (tests/strict_cupy.py: device arrays
+    sharing the torch tensors' memory, as CuPy's DLPack import of CUDA tensors does) and ``fused=True``:
+    the pieces step by the device kernels, read in place through tables of addresses. Also returns
+    the last step's device operations, host-to-device copies and host reads."""
+    import strict_cupy
+
+    with strict_cupy.install(), strict_cupy.torch_bridge():
+        strict_cupy.Device.current = 0
+        counted = {}
+        real_step = st.HybridSLAMB.step
+
+        def counting_step(self, closure=None):
+            with strict_cupy.counting() as c:
+                out = real_step(self, closure)
+            counted.update(launches=c.launches, h2d=c.h2d, syncs=c.syncs)
+            return out
+
+        st.HybridSLAMB.step = counting_step
+        try:
+            result = match(R, S, fused=True)
+        finally:
+            st.HybridSLAMB.step = real_step
+    return {**result, **counted}
+
+
 JOBS = {"match": match, "match_sadamw": lambda R, S: match(R, S, sadamw=True), "errors": errors, "recipes": recipes,
-        "resume": resume, "no_teardown": no_teardown}
+        "resume": resume, "no_teardown": no_teardown, "match_device": match_device}
 NEEDS_DIR = {"dcp": dcp_resume}
 
 

@@ -23,18 +23,17 @@ Supported: a 2-D mesh (replicas, pieces) and parameters that ``fully_shard`` cut
 over its second dimension. Pure FSDP (a 1-D mesh: no replicas, nothing to exchange), parameters
 sharded over the whole 2-D mesh (FSDP2's own dense replica allreduce), other placements
 (``shard_placement_fn``, tensor parallel) and other mesh shapes raise a ConfigError naming this.
-Not yet: the exchange from FSDP2's all-reduce hook (it runs in ``step()``, after the backward pass),
-the device kernels (the step goes tensor by tensor), ``torch.distributed.checkpoint`` of the
-optimizer (``state_dict()`` is this rank's pieces' state: save one file per rank).
+CUDA pieces step by the core's device kernels, read where FSDP2 keeps them; CPU pieces tensor by
+tensor, where ``overlap=True`` starts each FSDP module's exchange during the backward pass
+(:mod:`.fsdp_overlap`). Checkpoints: :meth:`HybridSLAMB.state_dict` for
+``torch.distributed.checkpoint``, and :meth:`HybridSLAMB.prepare_load` to resume at another replica
+count (:mod:`.fsdp_state`).
 """
 
 from typing import NamedTuple
 
-import logging
-
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as TShard
 
 from slamb_comm.codecs import Shard
@@ -43,14 +42,11 @@ from slamb_comm.stats import Traffic, allreduce_wire
 
 from .collectives import TorchTransport
 from .contract import queue_callback
+from .fsdp_overlap import FsdpOverlap, OptimizerSide
+from .fsdp_state import read_plan, state_dict_to_load, state_dict_to_save, warn_between_syncs
 from .params import run_closure
 from .slamb import SLAMB
 from .tensors import is_dtensor, local_of
-
-_log = logging.getLogger("slamb_comm")
-
-#: the per-parameter state that differs between replicas
-_PER_REPLICA = ("exp_avg", "exp_avg_sq", "freshness")
 
 __all__ = ["HybridSLAMB", "HybridSAdamW", "BackwardWatch", "MeshSharding", "Piece", "mesh_pieces"]
 
@@ -117,18 +113,6 @@ class MeshSharding:
             inner *= d
         return Piece(local, Shard(shape, start_row * inner))
 
-    def per_replica(self, t, p):
-        """``t``, this rank's state of its piece of ``p`` (shaped like the piece), as a DTensor of shape
-        ``(R, *p.shape)`` over the whole mesh whose row r is replica r's: the state of every replica
-        has its own place (a plain tensor is saved from one rank by torch.distributed.checkpoint)."""
-        shape = (self.R, *p.shape)
-        stride, acc = [], 1
-        for d in reversed(shape):
-            stride.append(acc)
-            acc *= d
-        return DTensor.from_local(t.detach().reshape(1, *t.shape), self.mesh, [TShard(0), TShard(1)],
-                                  run_check=False, shape=torch.Size(shape), stride=tuple(reversed(stride)))
-
     def broadcast(self, params):
         """Every piece from replica 0 to the other replicas (once, at construction)."""
         src = dist.get_global_rank(self.replicas_group, 0)
@@ -151,15 +135,17 @@ class BackwardWatch:
 
     FSDP2's all-reduce hook of every FSDP module of ``model`` notes whether its reduce-scatter output
     (this rank's pieces of that module's gradients) is finite (one pass, no host read); the first
-    call of a backward pass queues a callback at its end that sums the notes over the mesh (one
-    float over the replicas, one over the pieces) and poisons the pieces if the sum is not 0."""
+    call of a backward pass queues a callback at its end (after FSDP2's own, which is queued before
+    the first module reduces) that calls ``after()`` (HybridSLAMB's overlapped exchange starts what the
+    backward pass left: :meth:`~.fsdp_overlap.FsdpOverlap.end_of_backward`), sums the notes over the
+    mesh (one float over the replicas, one over the pieces) and poisons the pieces if the sum is not 0."""
 
-    def __init__(self, model, sharding, params):
+    def __init__(self, model, sharding, params, after=None):
         modules = [m for m in model.modules() if hasattr(m, "set_all_reduce_hook")]
         if not modules:
             raise ConfigError("model= has no module that fully_shard sharded: pass the root module of the "
                               "sharded model")
-        self.sharding, self.params = sharding, params
+        self.sharding, self.params, self.after = sharding, params, after
         self.bad, self.queued = None, False
         self.replica_bytes = 0  # what its agreements sent across the replicas since the last take_bytes()
         for m in modules:
@@ -187,6 +173,8 @@ class BackwardWatch:
         self.queued = False
         if self.bad is None:
             return
+        if self.after is not None:
+            self.after()
         word = self.bad.to(device="cpu", dtype=torch.float64).reshape(1)
         self.bad = None
         dist.all_reduce(word, group=self.sharding.replicas_group)
@@ -209,13 +197,18 @@ class HybridSLAMB(SLAMB):
             :class:`BackwardWatch`), or parameters / parameter groups with ``model=`` the model.
         mesh: the 2-D DeviceMesh; ``replicate``/``shard``: its dimensions' names.
         model: the root module ``fully_shard`` sharded, when ``params`` is not that module.
+        overlap: start each FSDP module's momentum exchange during the backward pass, as soon as FSDP2
+            hands its gradient pieces (default; :mod:`.fsdp_overlap`, on the CPU's tensor-by-tensor
+            path); False: the whole exchange in ``step()``.
 
-    Every other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``, ``fused=False``).
+    Every other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``). ``fused``: None (the
+    default) steps CUDA pieces by the core's device kernels (read where FSDP2 keeps them, through
+    tables of addresses; docs/algorithm.md section 15) and CPU pieces tensor by tensor; False
+    always tensor by tensor; True the kernels wherever the pieces are device arrays.
     """
 
-    def __init__(self, params, mesh, *args, model=None, replicate="replicate", shard="shard", **kwargs):
-        if kwargs.get("fused"):
-            raise ConfigError("HybridSLAMB steps tensor by tensor (fused=True is not available for sharded models)")
+    def __init__(self, params, mesh, *args, model=None, replicate="replicate", shard="shard", overlap=True,
+                 **kwargs):
         if isinstance(params, torch.nn.Module):
             model, params = params, params.parameters()
         if model is None:
@@ -229,26 +222,44 @@ class HybridSLAMB(SLAMB):
         for p in flat:  # every refusal before any collective
             sharding.piece(p, names.get(id(p), f"of shape {list(p.shape)}"))
         sharding.broadcast([p for p in flat if p.requires_grad])
-        self.watch = BackwardWatch(model, sharding, flat)
-        super().__init__(params, *args, fused=False, transport=sharding.replicas, names=names, sharding=sharding,
+        self._model, self._load_plan, self._warned_between_syncs = model, None, False
+        self.overlap = FsdpOverlap(model, sharding, OptimizerSide(lambda: self._engines, self._lr_wd, self._publish),
+                                   enabled=overlap)
+        self.watch = BackwardWatch(model, sharding, flat, after=self.overlap.end_of_backward)
+        super().__init__(params, *args, transport=sharding.replicas, names=names, sharding=sharding,
                          **kwargs)
+        self.overlap.ready(self._engines)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One SLAMB step on every rank's pieces. A parameter whose gradient is None on some ranks and
-        not others counts as a zero gradient there (Horovod's rule); None everywhere: left as it is."""
+        not others counts as a zero gradient there (Horovod's rule); None everywhere: left as it is.
+
+        One agreement over the whole mesh (its replicas, then its pieces) says which gradients exist
+        and, with the overlap, whether every rank can use the exchange it started during the backward
+        pass (else every rank drops it and exchanges here, from the gradients as they are:
+        :mod:`.fsdp_overlap`)."""
         loss = run_closure(closure)
         self.watch.agree()  # a reduce-scatter outside a backward pass (rare): its decision now
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        have = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64)
-        if params:  # over the whole mesh: its replicas, then its pieces
-            dist.all_reduce(have, group=self._sharding.replicas_group)
-            dist.all_reduce(have, group=self._sharding.pieces_group)
-        for p, n in zip(params, have.tolist()):
-            if p.grad is None and n > 0:
+        word = self.overlap.conclude(self._engines, self.state)  # None: no overlap, no word
+        agreed = torch.tensor([float(p.grad is not None) for p in params] + ([] if word is None else [float(word)]),
+                              dtype=torch.float64)
+        if agreed.numel():  # over the whole mesh: its replicas, then its pieces
+            dist.all_reduce(agreed, group=self._sharding.replicas_group)
+            dist.all_reduce(agreed, group=self._sharding.pieces_group)
+        counts = agreed.tolist()
+        have = {p: n > 0 for p, n in zip(params, counts)}
+        for p in params:
+            if p.grad is None and have[p]:
                 p.grad = torch.zeros_like(p)
-        self._count_control(have.numel() * have.element_size() if params else 0)
-        super().step()
+        self._count_control(agreed.numel() * agreed.element_size())
+        if self.overlap.decide(word is not None and counts[-1] > 0):
+            self.overlap.apply(have)
+        else:
+            self.overlap.abandon()
+            super().step()
+        self.overlap.ready(self._engines)
         return loss
 
     def _count_control(self, nbytes):
@@ -267,26 +278,29 @@ class HybridSLAMB(SLAMB):
         """This rank's state; each parameter's ``exp_avg``, ``exp_avg_sq`` and ``freshness`` as a
         DTensor of shape ``(R, *parameter shape)`` whose row r is replica r's (they differ between
         replicas), so that ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``, ``dcp.save``)
-        keeps all of them and a resume at the same mesh is bitwise. A ``torch.save`` per rank works too."""
-        sd = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, st in sd["state"].items():
-            sd["state"][i] = {k: self._sharding.per_replica(v, params[i]) if k in _PER_REPLICA else v
-                              for k, v in st.items()}
-        t, H = self.steps_taken(), min(int(g["sync_interval"]) for g in self.param_groups)
-        if self._sharding.R > 1 and t and (t - 1) % H and not getattr(self, "_warned_between_syncs", False):
-            self._warned_between_syncs = True
-            _log.warning("slamb_comm: HybridSLAMB state saved at step %d, between periodic syncs (after steps 1, "
-                         "H + 1, ...): the replicas' parameters differ now, and torch.distributed.checkpoint keeps "
-                         "one replica's model pieces. Resuming from it is a valid SLAMB run, not bitwise this one: "
-                         "save right after a sync step, or save every rank's own pieces (torch.save per rank).", t)
+        keeps all of them and a resume at the same mesh is bitwise. A ``torch.save`` per rank works too.
+        Once after :meth:`prepare_load`: the form DCP loads that checkpoint into."""
+        plan, self._load_plan = self._load_plan, None
+        sd = state_dict_to_save(self, super().state_dict(), self._sharding, plan)
+        if plan is None and not self._warned_between_syncs:
+            self._warned_between_syncs = warn_between_syncs(self, self._sharding)
         return sd
 
+    def prepare_load(self, checkpoint_id=None, storage_reader=None):
+        """Before resuming from a ``torch.distributed.checkpoint`` of another replica count (call it on
+        every rank, before ``get_optimizer_state_dict``): reads the checkpoint's metadata, so that the
+        next :meth:`state_dict` is the state dict DCP loads it into, and :meth:`load_state_dict` then
+        applies docs/algorithm.md section 10's rule (section 15.3). Harmless at the same mesh. Returns
+        the :class:`~.fsdp_state.LoadPlan`."""
+        self._load_plan = read_plan(self._model, self, checkpoint_id, storage_reader)
+        return self._load_plan
+
     def load_state_dict(self, state_dict):
-        """Restore :meth:`state_dict` output (the per-replica DTensors, or this rank's plain tensors)."""
-        state = {i: {k: local_of(v)[0] if k in _PER_REPLICA and is_dtensor(v) else v
-                     for k, v in st.items()} for i, st in state_dict["state"].items()}
-        super().load_state_dict({**state_dict, "state": state})
+        """Restore :meth:`state_dict` output (the per-replica DTensors, or this rank's plain tensors); a
+        checkpoint of another replica count by docs/algorithm.md section 10's rule (section 15.3). An
+        exchange started by a backward pass since the last step is dropped."""
+        self.overlap.abandon()
+        super().load_state_dict(state_dict_to_load(self, state_dict, self._sharding, self._slamb_names))
 
 
 class HybridSAdamW(HybridSLAMB):

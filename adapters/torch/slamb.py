@@ -230,8 +230,10 @@ class SLAMB(torch.optim.Optimizer):
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
                            on_nonfinite=g0["on_nonfinite"], check_options=self._slamb_transport is None,
                            shard_group=None if self._sharding is None else self._sharding.group)
-            e.flat = Flat(e) if wants_flat(self._fused, params[0].device) and self._sharding is None else None
-            e.rule.fused = e.flat is not None
+            kernels = wants_flat(self._fused, params[0].device)
+            e.flat = Flat(e) if kernels and self._sharding is None else None
+            # FSDP2's pieces stay where FSDP2 keeps them: the kernels read them through tables of addresses
+            e.rule.fused = e.flat is not None or (kernels and self._sharding is not None)
             self._import_state(e, {p: saved[p] for p in params if p in saved})
             engines.append(e)
         self._engines = self._built = engines
@@ -444,10 +446,13 @@ class SLAMB(torch.optim.Optimizer):
                     e.rule.step(e.flat.load(), e.flat.gradients(), lr=lr, weight_decay=wd)
                 e.flat.store()
             else:
-                x = Params(e)
+                x, g = Params(e), Grads(e)
+                written = x.written
                 skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
+                if e.rule.fused:  # FSDP2's pieces on a device: the kernels take lists of arrays
+                    x, g = [x[i] for i in range(len(x))], [g[i] for i in range(len(g))]
                 with cuda_scope(e.params[0].device):
-                    e.rule.step(x, Grads(e), lr=lr, weight_decay=wd, written=x.written, skip=skip)
+                    e.rule.step(x, g, lr=lr, weight_decay=wd, written=written, skip=skip)
             self._publish(e)
         return loss
 

@@ -90,22 +90,30 @@ class Params:
     """The parameters of a bucket as a lazily read sequence of arrays of the bucket's dtype:
     a view for float32/float64 parameters, a converted copy for 16-bit ones, made when the
     core reads the tensor and written back (and dropped) when it calls :meth:`written`. So a
-    bfloat16 model never has more than one tensor's float32 copy alive."""
+    bfloat16 model never has more than one tensor's float32 copy alive. One object per step:
+    a view, once made, is kept for the step (a DTensor's ``to_local()`` costs tens of µs)."""
 
     def __init__(self, e):
         self.e = e
         self._copy = {}
+        self._view = {}
 
     def __len__(self):
         return len(self.e.params)
 
     def __getitem__(self, i):
+        x = self._view.get(i)
+        if x is not None:
+            return x
         x = self._copy.get(i)
         if x is None:
             p = local_of(self.e.params[i])
             x = as_compute(p, self.e.dtype)
             if x.data_ptr() != p.data_ptr():
                 self._copy[i] = x
+            else:
+                self._view[i] = x = _arr.as_array(x)
+                return x
         return _arr.as_array(x)
 
     def written(self, i):
@@ -116,17 +124,27 @@ class Params:
 
 class Grads:
     """The gradients of a bucket as a lazily read sequence of arrays of the bucket's dtype
-    (zeros for a parameter without a gradient; converted per access for 16-bit ones)."""
+    (zeros for a parameter without a gradient; converted per access for 16-bit ones). One
+    object per step: a gradient that needs no conversion is viewed once and kept."""
 
     def __init__(self, e):
         self.e = e
+        self._view = {}
 
     def __len__(self):
         return len(self.e.params)
 
     def __getitem__(self, i):
-        p = local_of(self.e.params[i])
-        g = self.e.params[i].grad
+        a = self._view.get(i)
+        if a is not None:
+            return a
+        p = self.e.params[i]
+        g = p.grad
         if g is None:
-            return _arr.as_array(torch.zeros(p.shape, dtype=self.e.dtype, device=p.device))
-        return _arr.as_array(as_compute(local_of(g), self.e.dtype))
+            return _arr.as_array(torch.zeros(local_of(p).shape, dtype=self.e.dtype, device=p.device))
+        g = local_of(g)
+        c = as_compute(g, self.e.dtype)
+        a = _arr.as_array(c)
+        if c.data_ptr() == g.data_ptr():
+            self._view[i] = a
+        return a
