@@ -73,7 +73,7 @@ def reference_grads(ref, plain, t, r, S):
     return [p.grad.numpy().copy() for p in plain.parameters()]
 
 
-def match(R, S, sadamw=False, fused=None):
+def match(R, S, sadamw=False, fused=None, overlap=False):
     """HybridSLAMB (HybridSAdamW: the trust ratios fixed at 1) against the reference at R ranks."""
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     rank = dist.get_rank()
@@ -81,7 +81,7 @@ def match(R, S, sadamw=False, fused=None):
     model = shard(make_model(), mesh["shard"])
     kind = st.HybridSAdamW if sadamw else st.HybridSLAMB
     opt = kind(model, mesh, ratio=RATIO, sync_interval=H, dense_threshold=DENSE, seed=3, eps=1e-6, fused=fused,
-               **OPTS)
+               overlap=overlap, **OPTS)
     plain = make_model()
     x0 = [p.detach().numpy().copy() for p in plain.parameters()]
     whole = Layout([a.shape for a in x0], "float64", dense_threshold=DENSE)

@@ -4,7 +4,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 4 tests/fsdp_overlap_job.py match+recipes 2 2 OUT
 
 ``match R S``: tests/fsdp_job.py's ``match`` (the float64 reference of SLAMB at R ranks, every step)
-with the overlap on, as it is by default, and how each step exchanged. ``recipes``: each scenario
+with the overlap on (``overlap=True``), and how each step exchanged. ``recipes``: each scenario
 (what users do between backward() and step(), and around them) runs twice, with the overlap on and
 off, from the same start: the parameters must be the same bits (two replicas: the sums are exact), and
 each step's way of exchanging and masked bytes are reported. Each rank writes ``OUT/<mode>.<rank>.json``.
@@ -38,7 +38,7 @@ def match(R, S):
 
     st.HybridSLAMB.step = recording_step
     try:
-        result = fsdp_job.match(R, S)
+        result = fsdp_job.match(R, S, overlap=True)
     finally:
         st.HybridSLAMB.step = real
     return {**result, "reports": reports}

@@ -1,7 +1,7 @@
 """HybridSLAMB's momentum exchange overlapped with FSDP2's backward pass (issue 35;
 adapters/torch/fsdp_overlap.py): torchrun, gloo, CPU ranks (tests/fsdp_overlap_job.py).
 
-* At meshes 1 x 2, 2 x 1 and 2 x 2 the run with the overlap (the default) equals the dense float64
+* At meshes 1 x 2, 2 x 1 and 2 x 2 the run with the overlap (``overlap=True``) equals the dense float64
   reference of tests/fsdp_job.py's ``match`` at every step, each step applying the exchange started
   during the backward pass (one allreduce per FSDP module).
 * The first modules' exchanges start while autograd is still computing the earlier layers.

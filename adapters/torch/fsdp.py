@@ -25,7 +25,8 @@ sharded over the whole 2-D mesh (FSDP2's own dense replica allreduce), other pla
 (``shard_placement_fn``, tensor parallel) and other mesh shapes raise a ConfigError naming this.
 CUDA pieces step by the core's device kernels, read where FSDP2 keeps them; CPU pieces tensor by
 tensor, where ``overlap=True`` starts each FSDP module's exchange during the backward pass
-(:mod:`.fsdp_overlap`). Checkpoints: :meth:`HybridSLAMB.state_dict` for
+(:mod:`.fsdp_overlap`; off by default: on the 2-core emulation it shortened the step only on a slow
+link, 100 Mbit/s; benchmarks/RESULTS.md). Checkpoints: :meth:`HybridSLAMB.state_dict` for
 ``torch.distributed.checkpoint``, and :meth:`HybridSLAMB.prepare_load` to resume at another replica
 count (:mod:`.fsdp_state`).
 """
@@ -197,9 +198,9 @@ class HybridSLAMB(SLAMB):
             :class:`BackwardWatch`), or parameters / parameter groups with ``model=`` the model.
         mesh: the 2-D DeviceMesh; ``replicate``/``shard``: its dimensions' names.
         model: the root module ``fully_shard`` sharded, when ``params`` is not that module.
-        overlap: start each FSDP module's momentum exchange during the backward pass, as soon as FSDP2
-            hands its gradient pieces (default; :mod:`.fsdp_overlap`, on the CPU's tensor-by-tensor
-            path); False: the whole exchange in ``step()``.
+        overlap: True: start each FSDP module's momentum exchange during the backward pass, as soon
+            as FSDP2 hands its gradient pieces (:mod:`.fsdp_overlap`, on the CPU's tensor-by-tensor
+            path; it pays on slow links); False (default): the whole exchange in ``step()``.
 
     Every other argument is :class:`SLAMB`'s (``mask='cyclic'``, ``block=1``). ``fused``: None (the
     default) steps CUDA pieces by the core's device kernels (read where FSDP2 keeps them, through
@@ -207,7 +208,7 @@ class HybridSLAMB(SLAMB):
     always tensor by tensor; True the kernels wherever the pieces are device arrays.
     """
 
-    def __init__(self, params, mesh, *args, model=None, replicate="replicate", shard="shard", overlap=True,
+    def __init__(self, params, mesh, *args, model=None, replicate="replicate", shard="shard", overlap=False,
                  **kwargs):
         if isinstance(params, torch.nn.Module):
             model, params = params, params.parameters()

@@ -39,7 +39,10 @@ drops it and exchanges again from the gradients as they are (the bytes sent twic
 the following steps exchange from ``step()`` only (*deferred*, as under DDP) until a step where no
 rank changed its gradients after its single backward pass. Off (today's exchange in ``step()``) where
 the pieces are not NumPy arrays tensor by tensor (CUDA, the device kernels), for the topk mask (its
-payload needs every gradient), or with ``HybridSLAMB(..., overlap=False)``.
+payload needs every gradient), and unless ``HybridSLAMB(..., overlap=True)`` (off by default: on this
+2-core machine's emulated nodes it did not shorten the step at 1 or 10 Gbit/s, since the work it moves
+into the backward pass competes for the same cores, and shortened it by 13% at 100 Mbit/s:
+``benchmarks/hsdp.py time``, benchmarks/RESULTS.md).
 """
 
 import time
@@ -219,7 +222,7 @@ class FsdpOverlap:
         model: the sharded model (its FSDP modules and parameters).
         sharding: the optimizer's :class:`~.fsdp.MeshSharding` (the replicas' group).
         side: :class:`OptimizerSide`.
-        enabled: False: never (``HybridSLAMB(..., overlap=False)``).
+        enabled: ``HybridSLAMB(..., overlap=)``; False: never.
 
     The optimizer calls :meth:`ready` with its buckets once built and after every step,
     :meth:`end_of_backward` at the end of every backward pass that reduced gradients, then in
