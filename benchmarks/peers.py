@@ -16,8 +16,10 @@ ranks (4), every method through slamb_comm's API:
 * ``sparseloco``: ``SparseLoCo(AdamW, H=5, topk=256)`` (top-256 of each 4096-element chunk of the
   error-fed pseudo-gradient, 2-bit values, all-gathered); ``sparseloco-shared``:
   ``SharedMaskSparseLoCo(AdamW, H=5, ratio=1/32)`` (the shared cyclic mask at the same payload,
-  float16 values, one allreduce); docs/algorithm.md section 14; ``sparseloco@H@TOPK`` and
-  ``sparseloco-shared@H@RATIO[@BETA]`` for other settings, swept like their base;
+  float16 values, one allreduce); ``sparseloco-sharedtopk``: ``SharedTopKSparseLoCo(AdamW, H=5,
+  topk=128)`` (one rank's chunk-wise top-k offsets, taking turns, broadcast; every rank's float16
+  values there in one allreduce; the same payload); docs/algorithm.md section 14; ``sparseloco@H@TOPK`` and
+  ``sparseloco-shared@H@RATIO[@BETA]``, ``sparseloco-sharedtopk@H@TOPK`` for other settings, swept like their base;
 * ``slamb@K@H``, ``sadamw@K@H``: the sparse exchange at ratio K and sync interval H, at the base
   method's best lr (0.01, 0.004), for settings at equal payload; ``sadamw@K@H@SEED``: with the
   cyclic mask of another seed (the adapters' default is 0, so every run at one k shares one mask).
@@ -67,6 +69,9 @@ METHODS = {  # name: (lr grid, collective)
     # sparseloco@H@TOPK, sparseloco-shared@H@RATIO[@BETA] (sync interval, top-k per chunk, density)
     "sparseloco": (ADAMW_GRID, "allgather"),
     "sparseloco-shared": (ADAMW_GRID, "allreduce"),
+    # the shared top-k (section 14.7): the leader's chunk-wise top-k offsets broadcast (12 bits
+    # each), every rank's float16 values there in one allreduce; sparseloco-sharedtopk@H@TOPK
+    "sparseloco-sharedtopk": (ADAMW_GRID, "broadcast+allreduce"),
     # SAdamW with its second moment averaged over the ranks every 100 / 300 steps (DES-LOC's
     # argument), at SAdamW's best lr (not swept again): the measurement behind the default
     "sadamw-v100": ((0.004,), "allreduce"),
@@ -129,13 +134,15 @@ def _sparseloco(method, lr, params):
     around AdamW: ``(optimizer, None, traffic_fn)``."""
     import torch
 
-    from slamb_comm.adapters.torch.sparseloco import SharedMaskSparseLoCo, SparseLoCo
+    from slamb_comm.adapters.torch.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
     base, *rest = method.split("@")
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     H = int(rest[0]) if rest else SPARSELOCO_H
     if base == "sparseloco":
         opt = SparseLoCo(inner, sync_interval=H, topk=int(rest[1]) if len(rest) > 1 else SPARSELOCO_TOPK)
+    elif base == "sparseloco-sharedtopk":
+        opt = SharedTopKSparseLoCo(inner, sync_interval=H, topk=int(rest[1]) if len(rest) > 1 else SPARSELOCO_TOPK // 2)
     elif base == "sparseloco-shared":
         opt = SharedMaskSparseLoCo(inner, sync_interval=H, ratio=float(rest[1]) if len(rest) > 1 else SHARED_RATIO,
                                    beta=float(rest[2]) if len(rest) > 2 else 0.95)
@@ -277,6 +284,8 @@ def read(path):
 def wire(method, payload_per_step, P):
     if METHODS[method][1] == "allgather":
         return (P - 1) * payload_per_step
+    if METHODS[method][1] == "broadcast+allreduce":  # 12 of every 28 bits are offsets, sent once on each link
+        return payload_per_step * (12 / 28 + 16 / 28 * 2.0 * (P - 1) / P)
     return 2.0 * (P - 1) / P * payload_per_step
 
 
@@ -371,7 +380,7 @@ def main(argv=None):
         base, _, rest = m.partition("@")
         if rest and base in ("slamb", "sadamw") and len(rest.split("@")) in (2, 3):
             METHODS[m] = ((0.01,) if base == "slamb" else (0.004,), "allreduce")
-        elif rest and base in ("sparseloco", "sparseloco-shared"):  # swept like their base method
+        elif rest and base in ("sparseloco", "sparseloco-shared", "sparseloco-sharedtopk"):  # swept like their base
             METHODS[m] = METHODS[base]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

@@ -1,4 +1,4 @@
-"""SparseLoCo and the shared-mask SparseLoCo over MPI and over a torch.distributed gloo group,
+"""SparseLoCo, the shared-mask and the shared-top-k SparseLoCo over MPI and over a torch.distributed gloo group,
 every step against the dense float64 reference of docs/algorithm.md section 14 written out here:
 
     bash scripts/mpirun.sh N 300 python3 -m pytest -q --with-mpi mpi_tests/test_sparseloco.py
@@ -17,8 +17,8 @@ from mpi4py import MPI
 from slamb_comm import MPITransport
 from slamb_comm.codecs import Layout
 from slamb_comm.masks import CyclicMask
-from slamb_comm.sparseloco import SharedMaskSparseLoCo, SparseLoCo
-from slamb_comm.stats import allgather_wire, allreduce_wire
+from slamb_comm.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+from slamb_comm.stats import allgather_wire, allreduce_wire, broadcast_wire
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from adamw_reference import Adam  # noqa: E402
@@ -81,20 +81,26 @@ def mask_positions(j, ratio, seed=0, dense_threshold=9000):
 
 class Reference:
     """All P ranks in float64: inner AdamW per rank, then section 14's outer step every H steps,
-    with per-rank chunk-wise top-k (``ratio`` None) or the shared mask of density ``ratio``."""
+    with per-rank chunk-wise top-k (``ratio`` None), the shared mask of density ``ratio``, or
+    (``leader``) every rank on the positions of rank (j - 1) mod P's chunk-wise top-k (14.7)."""
 
-    def __init__(self, H, lr=1.0, beta=0.95, bits=2, ratio=None, round_to=None, dense_threshold=0):
+    def __init__(self, H, lr=1.0, beta=0.95, bits=2, ratio=None, round_to=None, dense_threshold=0, leader=False):
         self.x = [rank_params(0) for _ in range(P)]  # the construction broadcast rank 0's
         self.opt = [Adam(x) for x in self.x]
         self.anchor, self.e = flat(self.x[0]), [np.zeros(N) for _ in range(P)]
         self.H, self.lr, self.beta, self.bits, self.t = H, lr, beta, bits, 0
-        self.ratio, self.round_to, self.dense_threshold = ratio, round_to, dense_threshold
+        self.ratio, self.round_to, self.dense_threshold, self.leader = ratio, round_to, dense_threshold, leader
 
-    def sparse(self, e, j):
-        """Rank r's update at outer step j, dense: its top-k per chunk, or e on M_j (rounded as sent)."""
-        if self.ratio is None:
+    def sparse(self, e, j, leader_e=None):
+        """Rank r's update at outer step j, dense: its top-k per chunk, e on M_j, or e on the leader's
+        top-k positions (these two rounded as sent)."""
+        if self.leader:
+            idx = np.flatnonzero(chunk_topk_dense(leader_e, CHUNK, TOPK, 32))  # no entry of e is 0 here
+        elif self.ratio is None:
             return chunk_topk_dense(e, CHUNK, TOPK, self.bits)
-        out, idx = np.zeros(N), mask_positions(j, self.ratio, dense_threshold=self.dense_threshold)
+        else:
+            idx = mask_positions(j, self.ratio, dense_threshold=self.dense_threshold)
+        out = np.zeros(N)
         out[idx] = e[idx] if self.round_to is None else e[idx].astype(self.round_to).astype(np.float64)
         return out
 
@@ -104,11 +110,11 @@ class Reference:
             self.opt[r].step(self.x[r], rank_grads(r, self.t, self.x[r]))
         if self.t % self.H:
             return
-        sent = []
+        j = self.t // self.H
+        self.e = [self.beta * self.e[r] + (self.anchor - flat(self.x[r])) for r in range(P)]
+        sent = [self.sparse(self.e[r], j, self.e[(j - 1) % P]) for r in range(P)]
         for r in range(P):
-            self.e[r] = self.beta * self.e[r] + (self.anchor - flat(self.x[r]))
-            sent.append(self.sparse(self.e[r], self.t // self.H))
-            self.e[r] = self.e[r] - sent[-1]
+            self.e[r] = self.e[r] - sent[r]
         self.anchor = self.anchor - self.lr * np.mean(sent, axis=0)
         for x in self.x:
             unflat(self.anchor, x)
@@ -191,50 +197,99 @@ def test_core_shared_mask_every_step(value_dtype, tol):
             assert tr.calls == 0
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_core_nonfinite_on_one_rank_raises_everywhere_and_changes_nothing(shared):
+@pytest.mark.parametrize("value_dtype,tol", [(None, 1e-12), ("float32", 1e-6), ("float16", 3e-3)])
+def test_core_shared_topk_every_step(value_dtype, tol):
+    """The shared-top-k variant's own reference (section 14.7): every rank sends e on rank
+    (j - 1) mod P's chunk-wise top-k positions: one broadcast of the offsets (6 bits each at
+    chunk 64) and one allreduce of K + 1 values. Alone (P = 1) exact in every value_dtype."""
+    tol = 1e-12 if P == 1 else tol
+    H = 2
+    x = rank_params(ME)
+    d = SharedTopKSparseLoCo(MPITransport(), x, sync_interval=H, outer_lr=0.8, beta=0.9, chunk=CHUNK, topk=TOPK,
+                             value_dtype=value_dtype)
+    opt = Adam(x)
+    ref = Reference(H, lr=0.8, beta=0.9, leader=True,
+                    round_to={None: None, "float32": np.float32, "float16": np.float16}[value_dtype])
+    item = {None: 8, "float32": 4, "float16": 2}[value_dtype]
+    index_bytes = 8 + 24  # K = 22 offsets of 6 bits = 132 bits = 17 bytes, padded to 24
+    assert d.index_bytes == index_bytes and [d.leader(j) for j in (1, 2, 3)] == [0, 1 % P, 2 % P]
+    for t in range(1, 14):
+        opt.step(x, rank_grads(ME, t, x))
+        assert d.step(x) == (t % H == 0)
+        ref.step()
+        close(x, ref.x[ME], tol)
+        tr = d.stats.new_step()
+        if t % H == 0:
+            close(d.anchor, ref.anchor, tol)
+            close(d.error, ref.e[ME], tol)
+            assert same_everywhere(flat(x)) and same_everywhere(d.anchor)
+            values = 23 * item
+            assert (tr.payload_bytes, tr.elements_sent) == (index_bytes + values, 22)
+            assert tr.wire_bytes == broadcast_wire(index_bytes, P) + allreduce_wire(values, P)  # flat in P
+        else:
+            assert tr.calls == 0
+    assert d.stats.by_kind["sparseloco_shared_topk"].calls == 13 // H
+
+
+def make(variant, x, **kw):
+    """One of the three variants over MPI, at this file's geometry unless ``kw`` says otherwise."""
+    if variant == "mask":
+        return SharedMaskSparseLoCo(MPITransport(), x, **{"ratio": 0.25, **kw})
+    cls = SparseLoCo if variant == "topk" else SharedTopKSparseLoCo
+    return cls(MPITransport(), x, **{"chunk": CHUNK, "topk": TOPK, **kw})
+
+
+@pytest.mark.parametrize("variant", ["topk", "mask", "shared_topk"])
+def test_core_nonfinite_on_one_rank_raises_everywhere_and_changes_nothing(variant):
+    """Rank 1's NaN at outer steps 2 and 3: for the shared top-k, at step 2 rank 1 leads (its
+    flag travels in the broadcast) and at step 3 it does not (its flag travels in the allreduce)."""
     from slamb_comm import NonFiniteError
 
     if P == 1:
         pytest.skip("needs two ranks")
     x = rank_params(ME)
-    make = (lambda: SharedMaskSparseLoCo(MPITransport(), x, sync_interval=1, ratio=0.25)) if shared else \
-        (lambda: SparseLoCo(MPITransport(), x, sync_interval=1, chunk=CHUNK, topk=TOPK))
-    d = make()
+    d = make(variant, x, sync_interval=1)
     x[2][0, 0] += 0.5
     assert d.step(x)
-    anchor, error = d.anchor.copy(), d.error.copy()
-    x[0][3, 3] = np.nan if ME == 1 else x[0][3, 3]
-    with pytest.raises(NonFiniteError, match="rank\\(s\\) \\[1\\]"):
-        d.step(x)
-    assert np.array_equal(d.anchor, anchor) and np.array_equal(d.error, error)
-    x[0][3, 3] = 0.0
+    for _ in range(2):
+        anchor, error = d.anchor.copy(), d.error.copy()
+        x[0][3, 3] = np.nan if ME == 1 else x[0][3, 3]
+        with pytest.raises(NonFiniteError, match="rank\\(s\\) \\[1\\]"):
+            d.step(x)
+        assert np.array_equal(d.anchor, anchor) and np.array_equal(d.error, error)
+        x[0][3, 3] = 0.0
     assert d.step(x) and same_everywhere(d.anchor) and same_everywhere(flat(x))  # usable afterwards
+    kind = {"topk": "sparseloco_allgather", "mask": "sparseloco_allreduce", "shared_topk": "sparseloco_shared_topk"}
+    assert d.stats.by_kind[kind[variant]].calls == 4, d.stats.by_kind  # failed steps' bytes crossed the network
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_core_bad_input_on_one_rank_raises_everywhere(shared):
+@pytest.mark.parametrize("variant", ["topk", "mask", "shared_topk"])
+def test_core_bad_input_on_one_rank_raises_everywhere(variant):
+    """Rank 1 passes the wrong arrays: at step 1 (for the shared top-k rank 0 leads) and at step 2
+    (rank 1 leads, so nobody has positions to send on)."""
     from slamb_comm import LayoutError, PeerError
 
     if P == 1:
         pytest.skip("needs two ranks")
     x = rank_params(ME)
-    d = SharedMaskSparseLoCo(MPITransport(), x, sync_interval=1) if shared else \
-        SparseLoCo(MPITransport(), x, sync_interval=1, chunk=CHUNK, topk=TOPK)
-    with pytest.raises(LayoutError if ME == 1 else PeerError):
-        d.step(x[:2] if ME == 1 else x)
-    assert not d.error.any() and d.step(x) and same_everywhere(d.anchor)
+    d = make(variant, x, sync_interval=1)
+    for _ in range(2):
+        with pytest.raises(LayoutError if ME == 1 else PeerError):
+            d.step(x[:2] if ME == 1 else x)
+        assert not d.error.any()
+    assert d.step(x) and same_everywhere(d.anchor)
 
 
-def test_core_disagreeing_options_raise_everywhere():
+@pytest.mark.parametrize("variant,option", [("topk", {"topk": 4}), ("mask", {"seed": 0}),
+                                            ("shared_topk", {"topk": 4})])
+def test_core_disagreeing_options_raise_everywhere(variant, option):
     from slamb_comm import LayoutMismatchError
 
     if P == 1:
         pytest.skip("needs two ranks")
+    (key, value), = option.items()
     with pytest.raises(LayoutMismatchError, match="rank\\(s\\) \\[1"):
-        SparseLoCo(MPITransport(), rank_params(ME), topk=4 + (ME == 1), chunk=CHUNK)
-    with pytest.raises(LayoutMismatchError, match="rank\\(s\\) \\[1"):
-        SharedMaskSparseLoCo(MPITransport(), rank_params(ME), seed=int(ME == 1))
+        make(variant, rank_params(ME), **{key: value + (ME == 1)})
 
 
 # ----------------------------------------------------------------------------- torch adapter over gloo
@@ -259,28 +314,34 @@ def set_grads(ps, t):
         p.grad = torch.from_numpy(g)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_torch_every_step(sl, shared):
+@pytest.mark.parametrize("variant", ["topk", "mask", "shared_topk"])
+def test_torch_every_step(sl, variant):
     import torch
 
     H = 3
     ps = tparams(ME)
-    if shared:
-        opt = sl.SharedMaskSparseLoCo(torch.optim.AdamW(ps, lr=0.01), sync_interval=H, ratio=0.25, value_dtype=None,
-                                      dense_threshold=0)
+    inner = torch.optim.AdamW(ps, lr=0.01)
+    if variant == "mask":
+        opt = sl.SharedMaskSparseLoCo(inner, sync_interval=H, ratio=0.25, value_dtype=None, dense_threshold=0)
         ref = Reference(H, ratio=0.25)
+    elif variant == "shared_topk":
+        opt = sl.SharedTopKSparseLoCo(inner, sync_interval=H, chunk=CHUNK, topk=TOPK, value_dtype="float32")
+        ref = Reference(H, leader=True, round_to=np.float32)
     else:
-        opt = sl.SparseLoCo(torch.optim.AdamW(ps, lr=0.01), sync_interval=H, chunk=CHUNK, topk=TOPK)
+        opt = sl.SparseLoCo(inner, sync_interval=H, chunk=CHUNK, topk=TOPK)
         ref = Reference(H)
+    tol = 1e-6 if variant == "shared_topk" and P > 1 else 1e-12
     for t in range(1, 11):
         set_grads(ps, t)
         opt.step()
         ref.step()
-        close([p.detach().numpy() for p in ps], ref.x[ME], 1e-12)
+        close([p.detach().numpy() for p in ps], ref.x[ME], tol)
         tr = opt.step_traffic()
         assert (tr.payload_bytes > 0) == (t % H == 0)
         if t % H == 0:
             assert same_everywhere(flat([p.detach().numpy() for p in ps])) and same_everywhere(opt.cores[0].anchor)
-            close(opt.cores[0].error, ref.e[ME], 1e-12)
-            if not shared:
+            close(opt.cores[0].error, ref.e[ME], tol)
+            if variant == "topk":
                 assert tr.payload_bytes == sparseloco_nbytes(2)
+            elif variant == "shared_topk":
+                assert tr.payload_bytes == 32 + 23 * 4

@@ -1,4 +1,4 @@
-"""SparseLoCo on the core, and its shared-mask variant (docs/algorithm.md section 14).
+"""SparseLoCo on the core, and two variants whose exchange is an allreduce (docs/algorithm.md section 14).
 
 SparseLoCo (Sarfi, Thérien, Lidin & Belilovsky, 2025, arXiv:2508.15706) is DiLoCo's outer
 loop (docs/algorithm.md section 12) with the pseudo-gradient sent sparse: every
@@ -12,7 +12,7 @@ loop (docs/algorithm.md section 12) with the pseudo-gradient sent sparse: every
 
 * :class:`SparseLoCo`: TopK keeps, per chunk of ``chunk`` consecutive elements of the fused
   buffer, the ``topk`` entries of largest ``|e_r|``; Q rounds them to ``bits`` bits with one
-  float32 scale per chunk (:class:`ChunkTopK`). Every rank picks its own positions, so the
+  float32 scale per chunk (:class:`~slamb_comm.chunk_topk.ChunkTopK`). Every rank picks its own positions, so the
   payloads travel in one all-gather of ``ChunkTopK.nbytes`` bytes per rank: the wire per link
   is ``(P - 1) * nbytes`` and grows with the number of ranks.
 * :class:`SharedMaskSparseLoCo`: TopK is replaced by the shared cyclic mask M_j of outer step
@@ -22,6 +22,10 @@ loop (docs/algorithm.md section 12) with the pseudo-gradient sent sparse: every
   No b-bit code is sent there: a sum of P codes needs ``b + log2 P`` bits and the ranks' scales
   differ, so b-bit values cannot stay b bits through a ring's partial sums. Each rank rounds its
   values to float16 (the error buffer keeps the rounding) and the float16 sums are checked.
+* :class:`SharedTopKSparseLoCo`: the positions are ONE rank's chunk-wise top-k, the leader's,
+  which takes turns ((j - 1) mod P); it broadcasts its offsets (no values) and every rank sends
+  its e there in one allreduce, as above. The wire per link is the offsets once plus the
+  allreduce: flat in P, as for the shared mask, with positions chosen by magnitude.
 
 **An index costs ceil(log2 chunk) bits on the wire, 12 at the default chunk of 4096.** Every
 chunk sends exactly ``topk`` entries (the shorter last chunk ``ceil(topk L / chunk)`` of its L),
@@ -33,7 +37,7 @@ log2 C(4096, 64) / 64 = 7.4 bits per index and is not done. At the defaults (chu
 topk 64, 2 bits) a chunk costs 64 x 14 bits + a 4-byte scale = 116 bytes for 16,384 bytes of
 float32: 0.71% of a dense step's payload per outer step, 0.014% per inner step at H = 50.
 
-Both classes share :mod:`slamb_comm.periodic`'s construction (collective agreement on arrays and
+The three classes share :mod:`slamb_comm.periodic`'s construction (collective agreement on arrays and
 options, x broadcast from rank 0), state (``anchor``, equal on every rank; ``error``, per rank)
 and checks: a rank with bad input or a non-finite accumulator flags its status word, and every
 rank raises (PeerError, the rank's own error, or NonFiniteError) with nothing changed.
@@ -44,202 +48,15 @@ import time
 import numpy as np
 
 from . import arrays as _arr
+from .chunk_topk import ChunkTopK, int_in, pack_bits, pad8, unpack_bits
 from .codecs import Layout, check_ratio
 from .communicator import Communicator
 from .errors import (
     collective_error,STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, SlambCommError)
 from .periodic import DEFAULT_INTERVAL, check_number, host_copy, Periodic, check_interval
-from .stats import Traffic, allgather_wire, allreduce_wire
+from .stats import Traffic, allgather_wire, allreduce_wire, broadcast_wire
 
-__all__ = ["ChunkTopK", "SparseLoCo", "SharedMaskSparseLoCo", "BITS", "pack_bits", "unpack_bits"]
-
-#: the value codes SparseLoCo sends: 2, 4 or 8-bit levels with a float32 scale per chunk, or 32:
-#: the values as float32 (no scale; for comparisons and exact tests)
-BITS = (2, 4, 8, 32)
-
-
-def _pad8(n):
-    return -(-n // 8) * 8
-
-
-def pack_bits(fields, width, out):
-    """Write the unsigned integers ``fields`` (each < 2**width) as one little-endian bit stream
-    into the uint8 array ``out``: field j holds stream bits ``[j width, (j + 1) width)``, least
-    significant first, and stream bit b is bit ``b mod 8`` of byte ``b div 8``. Scratch: one byte
-    per bit of the stream."""
-    xp = _arr.namespace(fields)
-    f = fields.astype(np.uint64, copy=False)
-    bits = xp.empty((f.size, width), np.uint8)
-    for j in range(width):
-        bits[:, j] = (f >> np.uint64(j)) & np.uint64(1)
-    packed = xp.packbits(bits.reshape(-1), bitorder="little")
-    out[: packed.size] = packed
-    return out
-
-
-def unpack_bits(stream, width, count):
-    """The inverse of :func:`pack_bits`: ``count`` fields of ``width`` bits from ``stream``
-    (uint8, shape ``(..., bytes)``), as uint64 of shape ``(..., count)``."""
-    xp = _arr.namespace(stream)
-    bits = xp.unpackbits(stream, bitorder="little").reshape(stream.shape[:-1] + (-1,))  # row by row
-    bits = bits[..., : count * width].reshape(stream.shape[:-1] + (count, width))
-    out = xp.zeros(bits.shape[:-1], np.uint64)
-    for j in range(width):
-        out |= bits[..., j].astype(np.uint64) << np.uint64(j)
-    return out
-
-
-class ChunkTopK:
-    """SparseLoCo's wire format: chunk-wise top-k of a fused buffer, b-bit values, packed.
-
-    Args:
-        total: N, the fused buffer's elements (>= 1).
-        chunk: s, the elements per chunk: chunk c is ``[c s, min((c + 1) s, N))`` of the fused
-            buffer, across tensor boundaries (2 <= s <= 2**24).
-        topk: k, the entries a full chunk sends (1 <= k <= s); the last chunk, of L <= s
-            elements, sends ``k_last = ceil(k L / s)``.
-        bits: the value code: 2, 4 or 8 (levels with a float32 scale per chunk) or 32 (float32).
-
-    The quantizer of a chunk with kept values v, in sign and magnitude: the scale
-    ``a = float32(max |v|)``, ``M = 2**(bits - 1)`` magnitudes ``a j / M`` (j = 1..M), the
-    code ``(v < 0) << (bits - 1) | (j - 1)`` with ``j = clip(rint(|v| / a * M), 1, M)``, and the
-    value decoded ``(1 - 2 sign) (a j) / M`` (0 where a = 0). 2 bits: -a, -a/2, a/2, a. The
-    kept values are the chunk's largest magnitudes, so no level is spent near zero.
-
-    The payload (uint8, :attr:`nbytes`): an 8-byte header (int32 status word, 4 zero bytes); the
-    chunks' float32 scales (``pad8(4 n_chunks)`` bytes, absent for bits = 32); then the K entries,
-    chunk by chunk, each ``(offset << bits) | code`` in :attr:`width` bits, bit-packed
-    (:func:`pack_bits`), ``pad8(ceil(K width / 8))`` bytes.
-    """
-
-    def __init__(self, total, chunk=4096, topk=64, bits=2):
-        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 1:
-            raise ConfigError(f"SparseLoCo needs at least one element to exchange, got {total!r}")
-        self.total, self.s, self.bits = int(total), _int_in("chunk", chunk, 2, 1 << 24), bits
-        self.k = _int_in("topk", topk, 1, self.s, f"at most chunk = {self.s}; the paper sends 1-3% of each chunk")
-        if bits not in BITS or isinstance(bits, bool):
-            raise ConfigError(f"bits must be one of {BITS} (2, the paper's; 32 sends float32 values), got {bits!r}")
-        self.n_chunks = -(-self.total // self.s)
-        self.last = self.total - (self.n_chunks - 1) * self.s  # the last chunk's length L
-        self.k_last = min(self.last, -(-self.k * self.last // self.s))
-        self.full = self.n_chunks if self.last == self.s else self.n_chunks - 1  # chunks of exactly s
-        self.K = self.full * self.k + (0 if self.last == self.s else self.k_last)
-        self.index_bits = max(1, (self.s - 1).bit_length())
-        self.width = self.index_bits + bits
-        self.scale_bytes = 0 if bits == 32 else _pad8(4 * self.n_chunks)
-        self.entry_bytes = _pad8(-(-self.K * self.width // 8))
-        self.nbytes = 8 + self.scale_bytes + self.entry_bytes
-        counts = [self.k] * self.full + ([] if self.last == self.s else [self.k_last])
-        self.entry_chunk = np.repeat(np.arange(self.n_chunks, dtype=np.int64), counts)  # K host integers
-        self._dev = {}
-
-    def _chunk_of(self, xp):
-        key = (xp.__name__, None if xp is np else xp.cuda.Device().id)
-        if key not in self._dev:
-            self._dev[key] = self.entry_chunk if xp is np else xp.asarray(self.entry_chunk)
-        return self._dev[key]
-
-    def select(self, e):
-        """Each chunk's top-k of ``|e|`` (a fused 1-D buffer of N elements): ``(offsets within the
-        chunk, int64 [K]; values [K])``, chunk by chunk. Ties: in the order argpartition leaves them."""
-        xp, s, k = _arr.namespace(e), self.s, self.k
-        offs, vals = [], []
-        for n, w, kk, lo in ((self.full, s, k, 0), (int(self.last != s), self.last, self.k_last, self.full * s)):
-            if not n:
-                continue
-            c = e[lo : lo + n * w].reshape(n, w)
-            i = xp.argpartition(xp.abs(c), w - kk, axis=1)[:, w - kk :] if kk < w else \
-                xp.broadcast_to(xp.arange(w), (n, w))
-            offs.append(i.reshape(-1).astype(np.int64))
-            vals.append(xp.take_along_axis(c, i, axis=1).reshape(-1))
-        return xp.concatenate(offs), xp.concatenate(vals)
-
-    def scales(self, vals):
-        """Per chunk, ``max |v|`` of its kept values as float32 (may overflow to Inf: rejected)."""
-        xp = _arr.namespace(vals)
-        a = xp.abs(vals)
-        parts = []
-        if self.full:
-            parts.append(a[: self.full * self.k].reshape(self.full, self.k).max(axis=1))
-        if self.last != self.s:
-            parts.append(a[self.full * self.k :].max(keepdims=True))
-        with np.errstate(over="ignore"):
-            return xp.concatenate(parts).astype(np.float32)
-
-    def quantize(self, vals, scales):
-        """The codes (uint64 [K]) of ``vals`` under the chunks' ``scales`` (see the class docstring)."""
-        xp = _arr.namespace(vals)
-        if self.bits == 32:
-            with np.errstate(over="ignore"):
-                return vals.astype(np.float32).view(np.uint32).astype(np.uint64)
-        M = 1 << (self.bits - 1)
-        a = scales.astype(vals.dtype)[self._chunk_of(xp)]
-        with np.errstate(invalid="ignore", divide="ignore"):  # a NaN/Inf scale: the step is rejected
-            j = xp.clip(xp.rint(xp.abs(vals) / xp.where(a > 0, a, 1) * M), 1, M).astype(np.uint64)
-        return ((vals < 0).astype(np.uint64) << np.uint64(self.bits - 1)) | (j - np.uint64(1))
-
-    def dequantize(self, codes, scales, dtype):
-        """The values (``dtype``) that ``codes`` stand for: exactly what every rank decodes."""
-        dtype = np.dtype(dtype)
-        if self.bits == 32:
-            return codes.astype(np.uint32).view(np.float32).astype(dtype)
-        xp, M = _arr.namespace(codes), 1 << (self.bits - 1)
-        a = scales.astype(dtype)[self._chunk_of(xp)]
-        j = ((codes & np.uint64(M - 1)) + np.uint64(1)).astype(dtype)
-        sign = 1 - 2 * (codes >> np.uint64(self.bits - 1)).astype(dtype)
-        return sign * (a * j) / dtype.type(M)
-
-    def parts(self, buf):
-        """Views of a payload (uint8): (status int32[1], scales float32[n_chunks] or None, entry bytes)."""
-        scales = None if self.bits == 32 else buf[8 : 8 + 4 * self.n_chunks].view(np.float32)
-        return buf[:4].view(np.int32), scales, buf[8 + self.scale_bytes : self.nbytes]
-
-    def encode(self, e, buf):
-        """Select, quantize and pack ``e`` into the payload ``buf``. Returns ``(positions in the
-        fused buffer, int64 [K]; the values as decoded, e's dtype [K]; ok)``, ``ok`` (a bool or a
-        0-d device array) false where a scale or a float32 value is not finite."""
-        xp = _arr.namespace(e)
-        offs, vals = self.select(e)
-        _, sc, entries = self.parts(buf)
-        a = self.scales(vals) if self.bits != 32 else None
-        codes = self.quantize(vals, a)
-        if a is not None:
-            sc[...] = a
-            ok = xp.isfinite(a).all()
-        else:
-            ok = xp.isfinite(codes.astype(np.uint32).view(np.float32)).all()
-        pack_bits((offs.astype(np.uint64) << np.uint64(self.bits)) | codes, self.width, entries)
-        pos = self._chunk_of(xp) * self.s + offs
-        return pos, self.dequantize(codes, a, e.dtype), ok
-
-    def decode(self, buf, dtype):
-        """One payload (uint8 [nbytes]) -> ``(positions in the fused buffer, int64 [K]; values [K]
-        in dtype)``. Scratch: about ``K (width + 40)`` bytes."""
-        xp, dtype = _arr.namespace(buf), np.dtype(dtype)
-        fields = unpack_bits(buf[8 + self.scale_bytes : self.nbytes], self.width, self.K)
-        codes = fields & np.uint64((1 << self.bits) - 1)
-        pos = self._chunk_of(xp) * self.s + (fields >> np.uint64(self.bits)).astype(np.int64)
-        scales = None if self.bits == 32 else buf[8 : 8 + 4 * self.n_chunks].copy().view(np.float32)
-        return pos, self.dequantize(codes, scales, dtype)
-
-    def mean(self, bufs, dtype):
-        """``(1/P) sum_r decode(bufs[r])`` as a fused buffer in ``dtype`` (``bufs``: ``(P, nbytes)``):
-        decoded and added rank by rank in rank order (positions are unique within a payload), so
-        the scratch does not grow with P and every rank gets the same bits."""
-        xp = _arr.namespace(bufs)
-        out = xp.zeros(self.total, dtype)
-        for r in range(bufs.shape[0]):
-            pos, vals = self.decode(bufs[r], dtype)
-            out[pos] += vals
-        out *= out.dtype.type(1.0 / bufs.shape[0])
-        return out
-
-
-def _int_in(name, v, lo, hi, fix=""):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
-        raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}" + (f"; {fix}" if fix else ""))
-    return int(v)
-
+__all__ = ["SparseLoCo", "SharedMaskSparseLoCo", "SharedTopKSparseLoCo"]
 
 def _dtype_of(x):
     """The float dtype of ``x`` (a list of arrays or a fused buffer): float32 or float64."""
@@ -440,8 +257,8 @@ class SharedMaskSparseLoCo(_SparseOuter):
 
         def check():
             self.ratio = check_ratio(ratio)
-            self.seed = _int_in("seed", seed, 0, (1 << 62) - 1)
-            self.dense_threshold = _int_in("dense_threshold", dense_threshold, 0, 1 << 62)
+            self.seed = int_in("seed", seed, 0, (1 << 62) - 1)
+            self.dense_threshold = int_in("dense_threshold", dense_threshold, 0, 1 << 62)
             if value_dtype is not None:
                 _arr.value_dtype(value_dtype)  # DTypeError naming the choices
 
@@ -498,4 +315,114 @@ class SharedMaskSparseLoCo(_SparseOuter):
             self.error = e
             self._apply(views, flat)
         self.stats.record("sparseloco_allreduce", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return True
+
+
+class SharedTopKSparseLoCo(_SparseOuter):
+    """SparseLoCo whose top-k positions are shared: at outer step j every rank sends its e on the
+    positions of ONE rank's chunk-wise top-k, that of the leader ``(j - 1) mod P``, which takes
+    turns (docs/algorithm.md section 14.7). Two collectives per outer step, neither growing with P:
+
+        pos_j    = TopK(e_leader)                     # broadcast from the leader: offsets only
+        s_r      = round_to(value_dtype, e_r[pos_j])  # sent by every rank
+        e_r[pos_j]    = e_r[pos_j] - s_r
+        anchor[pos_j] = anchor[pos_j] - outer_lr * (1/P) sum_r s_r   # ONE allreduce
+        x_r      = anchor
+
+    The leader's offsets travel as ``ceil(log2 chunk)``-bit fields (12 bits at 4096), chunk by
+    chunk as in :class:`ChunkTopK` (an entry's chunk is implied by its place), behind an 8-byte
+    header holding the leader's status word; the values go in ``value_dtype`` (float16 by default)
+    through :meth:`~slamb_comm.communicator.Communicator.reduce_checked`, as in
+    :class:`SharedMaskSparseLoCo`. Against SparseLoCo's all-gather (``(P - 1)`` payloads on each
+    link), the wire per link is ``index_bytes`` (a pipelined broadcast) plus
+    ``2 (P - 1)/P * value_bytes`` at any P.
+
+    Args: as :class:`SparseLoCo` (``chunk``, ``topk``; no ``bits``) plus ``value_dtype``
+    ('float16', 'float32', or None for the arrays' dtype) of :class:`SharedMaskSparseLoCo`.
+
+    Costs of an outer step: the new accumulator, the leader's argpartition and packing, one
+    broadcast of :attr:`index_bytes`, one allreduce of ``K + 1`` values, two host reads (the
+    leader's status word, then the allreduce's). Memory kept: ``anchor`` and ``error``.
+    """
+
+    kind = "SharedTopKSparseLoCo"
+
+    def __init__(self, transport, x, *, sync_interval=DEFAULT_INTERVAL, outer_lr=1.0, beta=0.95, chunk=4096,
+                 topk=64, value_dtype="float16", names=None, bucket_bytes=32 << 20):
+        self._H, self._lr, self._beta = sync_interval, outer_lr, beta
+
+        def check():
+            n = sum(int(np.prod(np.shape(a))) for a in x) if isinstance(x, (list, tuple)) else int(np.size(x))
+            self.codec = ChunkTopK(n, chunk, topk, 32)  # the geometry and the selection; values go apart
+            if value_dtype is not None:
+                _arr.value_dtype(value_dtype)  # DTypeError naming the choices
+
+        def options():
+            return {"chunk": self.codec.s, "topk": self.codec.k}
+
+        self._init(transport, x, names, check, options, value_dtype, bucket_bytes)
+        self.index_bytes = 8 + pad8(-(-self.codec.K * self.codec.index_bits // 8))
+
+    def leader(self, j):
+        """The rank whose top-k positions outer step ``j`` (1-based) uses."""
+        return (j - 1) % self.transport.size
+
+    def _positions(self, xp, e, problem, root):
+        """Broadcast the leader's chunk-wise top-k offsets; every rank returns the positions in the
+        fused buffer (int64 [K]). Raises on every rank, nothing changed, if the leader flagged."""
+        codec = self.codec
+        buf = xp.zeros(self.index_bytes, np.uint8)
+        status = buf[:4].view(np.int32)
+        if self.transport.rank == root:
+            status[...] = STATUS_BAD_INPUT
+            if problem is None:
+                offs, _ = codec.select(e)
+                pack_bits(offs.astype(np.uint64), codec.index_bits, buf[8:])
+                status[...] = xp.where(xp.isfinite(e).all(), STATUS_OK, STATUS_NON_FINITE)
+        self.transport.broadcast(buf, root=root)
+        code = int(_arr.to_host(buf[:4].copy().view(np.int32))[0])  # the first host read
+        if code:
+            codes = [code if r == root else STATUS_OK for r in range(self.transport.size)]
+            raise collective_error(codes, problem if self.transport.rank == root else None,
+                                   f"SharedTopKSparseLoCo outer step at t = {self.t} (leader rank {root})",
+                                   nonfinite="non-finite pseudo-gradient or accumulator (NaN/Inf)")
+        offs = unpack_bits(buf[8:], codec.index_bits, codec.K).astype(np.int64)
+        return codec._chunk_of(xp) * codec.s + offs
+
+    def step(self, x=None):
+        """As :meth:`SparseLoCo.step`, through one broadcast of the leader's offsets and one allreduce."""
+        self.t += 1
+        if self.t % self.sync_interval:
+            return False
+        t0 = time.perf_counter()
+        j = self.t // self.sync_interval
+        xp, views, flat, problem = self._local(x)
+        lay, P, vd, K = self.layout, self.transport.size, self.value_dtype, self.codec.K
+        payload, dense = self.index_bytes + (K + 1) * vd.itemsize, lay.total * self.dtype.itemsize
+        traffic = (lambda enc, comm, dec: Traffic.one_call(
+            payload_bytes=payload, dense_bytes=dense, size=P, elements_sent=K, elements_total=lay.total,
+            wire_bytes=broadcast_wire(self.index_bytes, P) + allreduce_wire((K + 1) * vd.itemsize, P),
+            encode_s=enc, comm_s=comm, decode_s=dec))
+        with _arr.device_scope(self.anchor):
+            e, ok = self._fold(xp, views, flat) if problem is None else (self.error, False)
+            with self.stats.failed("sparseloco_shared_topk", lambda: traffic(0.0, time.perf_counter() - t0, 0.0)):
+                pos = self._positions(xp, e, problem, self.leader(j))
+                t1 = time.perf_counter()
+                buf = xp.zeros(K + 1, vd)
+                vals = e[pos]
+                sent = _arr.cast(vals, vd)
+                buf[:K] = sent
+                self.comm.reduce_checked(buf, problem, False if problem is not None else
+                                         (~ok if xp is not np else not bool(ok)),
+                                         f"SharedTopKSparseLoCo outer step {j} (t = {self.t})", sent=lambda: sent)
+            t2 = time.perf_counter()
+            mean = _arr.cast(buf[:K], self.dtype)  # the sum, widened before dividing (it may exceed float16)
+            if P > 1:
+                mean *= self.dtype.type(1.0 / P)
+            mean *= self.dtype.type(self.outer_lr)
+            e[pos] = vals - _arr.cast(sent, self.dtype)
+            self.anchor[pos] -= mean
+            self.error = e
+            self._apply(views, flat)
+        self.stats.record("sparseloco_shared_topk", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))
         return True

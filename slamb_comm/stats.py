@@ -16,7 +16,7 @@ Every optimizer's ``step_traffic()`` reports that.
 import contextlib
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire", "per_step"]
+__all__ = ["Traffic", "Stats", "allreduce_wire", "allgather_wire", "alltoall_wire", "broadcast_wire", "per_step"]
 
 
 def allreduce_wire(payload, size):
@@ -27,6 +27,11 @@ def allreduce_wire(payload, size):
 def allgather_wire(payload, size):
     """Bytes an allgather puts on each rank's link."""
     return float((size - 1) * payload)
+
+
+def broadcast_wire(payload, size):
+    """Bytes a pipelined (ring or chain) broadcast puts on each rank's link: the payload once."""
+    return float(payload) if size > 1 else 0.0
 
 
 def alltoall_wire(payload, size):

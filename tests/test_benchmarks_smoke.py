@@ -393,25 +393,30 @@ def test_peers_benchmark_table_with_an_allreduce_and_an_allgather_method(tmp_pat
 
 def test_peers_benchmark_sparseloco_arms(tmp_path):
     """benchmarks/peers.py's SparseLoCo arms (issue 36) at 2 ranks, 4 steps, outer steps every 2:
-    the all-gathered SparseLoCo and the shared-mask variant's allreduce, their bytes and wire."""
+    the all-gathered SparseLoCo, the shared-mask variant's allreduce and the shared top-k's
+    broadcast and allreduce, their bytes and wire."""
     out_dir = tmp_path / "peers"
-    methods = "sparseloco@2@64,sparseloco-shared@2@0.25"
+    methods = "sparseloco@2@64,sparseloco-shared@2@0.25,sparseloco-sharedtopk@2@64"
     proc = subprocess.run([sys.executable, "benchmarks/peers.py", "--methods", methods, "--ranks", "2", "--steps", "4",
                            "--eval-every", "2", "--seeds", "0", "--lr-grid", "0.004", "--timeout", "240",
                            "--out", str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = list(csv.DictReader(open(out_dir / "runs.csv")))
     last = {r["method"]: r for r in rows if r["step"] == "4"}
-    assert sorted(last) == ["sparseloco-shared@2@0.25", "sparseloco@2@64"]
+    assert sorted(last) == ["sparseloco-shared@2@0.25", "sparseloco-sharedtopk@2@64", "sparseloco@2@64"]
     n = int(last["sparseloco@2@64"]["params"])
     # two outer steps of ChunkTopK(N, 4096, 64, 2).nbytes each, against four dense float32 steps
     K = (n // 4096) * 64 + -(-64 * (n % 4096) // 4096)
     nbytes = 8 + -(-4 * -(-n // 4096) // 8) * 8 + -(-(-(-K * 14 // 8)) // 8) * 8
     assert float(last["sparseloco@2@64"]["payload_bytes"]) == 2 * nbytes
+    # the shared top-k: the leader's K offsets of 12 bits behind an 8-byte header, K + 1 float16 values
+    shared = 8 + -(-(-(-K * 12 // 8)) // 8) * 8 + (K + 1) * 2
+    assert float(last["sparseloco-sharedtopk@2@64"]["payload_bytes"]) == 2 * shared
     assert 0 < float(last["sparseloco-shared@2@0.25"]["payload_vs_dense"]) < 0.1
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in (out_dir / "peers.md").read_text().splitlines() if line.startswith("| sparseloco")}
-    for m, ratio in (("sparseloco@2@64", 4 / 2), ("sparseloco-shared@2@0.25", 1.0)):
+    for m, ratio in (("sparseloco@2@64", 4 / 2), ("sparseloco-shared@2@0.25", 1.0),
+                     ("sparseloco-sharedtopk@2@64", (12 + 16 * 1.5) / 28 / 1.5)):
         pay, w4 = (float(table[m][i].rstrip("%")) for i in (3, 4))  # an all-gather's wire is P/2 payloads
         assert w4 == pytest.approx(pay * ratio, abs=0.011)
 

@@ -1,4 +1,4 @@
-"""SparseLoCo and the shared-mask SparseLoCo in one process (docs/algorithm.md section 14): the
+"""SparseLoCo, the shared-mask and the shared-top-k SparseLoCo in one process (docs/algorithm.md section 14): the
 bit packing, the chunk-wise top-k and the quantizer against their definitions, exact decoding
 where nothing is lost, the rules at P = 1 against the inner optimizer, state round trips, bytes
 and errors. Every step against the dense float64 reference at 1, 2 and 4 ranks:
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-from slamb_comm.sparseloco import ChunkTopK, SharedMaskSparseLoCo, SparseLoCo, pack_bits, unpack_bits
+from slamb_comm.chunk_topk import ChunkTopK, pack_bits, unpack_bits
+from slamb_comm.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
 from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
 
@@ -177,6 +178,40 @@ def test_shared_mask_at_ratio_one_is_the_inner_optimizer_bitwise():
         assert d.stats.last.payload_bytes == (N + 1) * 8
 
 
+def test_shared_topk_sending_everything_is_the_inner_optimizer_bitwise():
+    x, alone = params(positive=True), params(positive=True)
+    d = SharedTopKSparseLoCo(None, x, sync_interval=1, beta=0.0, chunk=64, topk=64, value_dtype=None)
+    opt, ref = Adam(x, lr=1e-3), Adam(alone, lr=1e-3)
+    for t in range(1, 6):
+        opt.step(x, grads(t, x))
+        ref.step(alone, grads(t, alone))
+        assert d.step(x)
+        for a, b in zip(x, alone):
+            assert np.array_equal(a, b), t
+        assert not d.error.any()
+        assert d.stats.last.payload_bytes == d.index_bytes + (N + 1) * 8 and d.index_bytes == 8 + 264  # 6-bit offsets
+
+
+def test_shared_topk_sends_the_chunks_largest_and_keeps_the_rest():
+    """At P = 1 the leader is this rank: its own chunk-wise top-k of the accumulator, rounded to
+    float16, leave e; the rounding stays in e."""
+    x = params()
+    d = SharedTopKSparseLoCo(None, x, sync_interval=1, beta=0.5, chunk=64, topk=3)
+    a0 = d.anchor.copy()
+    rng = np.random.default_rng(6)
+    for a in x:
+        a += rng.standard_normal(a.shape)
+    drift = a0 - np.concatenate([a.ravel() for a in x])
+    assert d.step(x) and d.leader(1) == 0
+    sent = np.zeros(N)
+    for lo in range(0, N, 64):
+        seg = drift[lo : lo + 64]
+        keep = lo + np.argsort(-np.abs(seg))[: -(-3 * seg.size // 64)]
+        sent[keep] = drift[keep].astype(np.float16)
+    assert np.count_nonzero(sent) == 5 * 3 + 2
+    assert np.array_equal(d.error, drift - sent) and np.array_equal(d.anchor, a0 - sent)
+
+
 def test_unsent_drift_stays_in_the_error_and_x_returns_to_the_anchor():
     x = params(dtype=np.float32)  # float32 arrays and values: nothing is rounded on the wire
     d = SparseLoCo(None, x, sync_interval=2, beta=0.5, outer_lr=1.0, chunk=64, topk=2, bits=32)
@@ -201,7 +236,8 @@ def test_unsent_drift_stays_in_the_error_and_x_returns_to_the_anchor():
 # ----------------------------------------------------------------------------- state and bytes
 @pytest.mark.parametrize("make", [lambda x: SparseLoCo(None, x, sync_interval=3, chunk=64, topk=4),
                                   lambda x: SharedMaskSparseLoCo(None, x, sync_interval=2, ratio=0.2,
-                                                                 dense_threshold=0)])
+                                                                 dense_threshold=0),
+                                  lambda x: SharedTopKSparseLoCo(None, x, sync_interval=2, chunk=64, topk=4)])
 def test_core_state_dict_round_trip_is_bitwise(make):
     def run(d, x, opt, ts):
         for t in ts:
@@ -250,6 +286,8 @@ def test_defaults():
     s = SharedMaskSparseLoCo(None, params())
     assert (s.ratio, s.value_dtype.name, s.seed, s.dense_threshold, s.comm.mask.num_chunks) == (1 / 64, "float16", 0,
                                                                                                 9000, 64)
+    s = SharedTopKSparseLoCo(None, params())
+    assert (s.sync_interval, s.beta, s.codec.s, s.codec.k, s.value_dtype.name) == (50, 0.95, 4096, 64, "float16")
 
 
 # ----------------------------------------------------------------------------- errors
@@ -271,6 +309,10 @@ def test_errors_name_the_option_and_the_fix():
         SharedMaskSparseLoCo(None, x, ratio=0)
     with pytest.raises(TypeError, match="bfloat16"):
         SharedMaskSparseLoCo(None, x, value_dtype="bfloat16")
+    with pytest.raises(TypeError, match="bfloat16"):
+        SharedTopKSparseLoCo(None, x, value_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"topk must be an integer in \[1, 64\], got 0"):
+        SharedTopKSparseLoCo(None, x, chunk=64, topk=0)
     with pytest.raises(TypeError, match="float32 copy of 16-bit"):
         SparseLoCo(None, [a.astype(np.float16) for a in x])
     d = SparseLoCo(None, x, sync_interval=1, chunk=64, topk=4)
@@ -287,11 +329,12 @@ def test_errors_name_the_option_and_the_fix():
         d.load_state_dict(bad)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_nonfinite_changes_nothing(shared):
+@pytest.mark.parametrize("variant", ["topk", "mask", "shared_topk"])
+def test_nonfinite_changes_nothing(variant):
     x = params()
-    d = SharedMaskSparseLoCo(None, x, sync_interval=1, ratio=0.5) if shared else \
-        SparseLoCo(None, x, sync_interval=1, chunk=64, topk=4)
+    d = {"mask": lambda: SharedMaskSparseLoCo(None, x, sync_interval=1, ratio=0.5),
+         "topk": lambda: SparseLoCo(None, x, sync_interval=1, chunk=64, topk=4),
+         "shared_topk": lambda: SharedTopKSparseLoCo(None, x, sync_interval=1, chunk=64, topk=4)}[variant]()
     x[0][0, 0] += 1.0
     d.step(x)
     anchor, error = d.anchor.copy(), d.error.copy()
@@ -341,7 +384,9 @@ def test_torch_16bit_parameters_and_state_round_trip():
 
     for make in (lambda ps: tsl.SparseLoCo(torch.optim.AdamW(ps, lr=0.01), sync_interval=2, chunk=64, topk=8),
                  lambda ps: tsl.SharedMaskSparseLoCo(torch.optim.AdamW(ps, lr=0.01), sync_interval=2, ratio=0.5,
-                                                     dense_threshold=0)):
+                                                     dense_threshold=0),
+                 lambda ps: tsl.SharedTopKSparseLoCo(torch.optim.AdamW(ps, lr=0.01), sync_interval=2, chunk=64,
+                                                     topk=8)):
         ps = tparams(torch.bfloat16)
         opt = make(ps)
         run(opt, ps, range(1, 7))  # ends on an outer step: x is the anchor

@@ -30,7 +30,7 @@ module                     what it holds
                            and :func:`traffic_metrics` (a step's bytes as logger metrics)
 ``periodic``               :class:`DiLoCo`, :class:`DesLoc` and their base ``OuterLoop``
                            (periodic averaging around any torch optimizer)
-``sparseloco``             :class:`SparseLoCo`, :class:`SharedMaskSparseLoCo` (on ``OuterLoop``)
+``sparseloco``             :class:`SparseLoCo`, :class:`SharedMaskSparseLoCo`, :class:`SharedTopKSparseLoCo`
 ``demo``                   :class:`DeMo`, the DCT top-k momentum optimizer
 ``fsdp``                   :class:`HybridSLAMB`, :class:`HybridSAdamW`: SLAMB and SAdamW across
                            the replicas of an FSDP2-sharded model (HSDP's ``(replicate, shard)`` mesh)
@@ -79,9 +79,9 @@ from .hybrid_topk import HybridTopK
 from .onebit_lamb import OneBitLAMB
 from .periodic import DesLoc, DiLoCo
 from .slamb import LAMB, SLAMB, SAdamW
-from .sparseloco import SharedMaskSparseLoCo, SparseLoCo
+from .sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",
-           "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo", "HybridSLAMB",
-           "HybridSAdamW", "HybridTopK"]
+           "averaged_state_dict", "traffic_metrics", "SparseLoCo", "SharedMaskSparseLoCo", "SharedTopKSparseLoCo",
+           "HybridSLAMB", "HybridSAdamW", "HybridTopK"]

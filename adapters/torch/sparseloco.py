@@ -5,10 +5,13 @@ between outer steps)::
 
     opt = slamb_comm.adapters.torch.sparseloco.SparseLoCo(torch.optim.AdamW(model.parameters(), lr=3e-4))
     opt = slamb_comm.adapters.torch.sparseloco.SharedMaskSparseLoCo(torch.optim.AdamW(model.parameters()))
+    opt = slamb_comm.adapters.torch.sparseloco.SharedTopKSparseLoCo(torch.optim.AdamW(model.parameters()))
 
 The rules are the core's, :class:`slamb_comm.sparseloco.SparseLoCo` (per-rank chunk-wise top-k,
 2-bit values, one all-gather per outer step) and :class:`slamb_comm.sparseloco.SharedMaskSparseLoCo`
-(the shared cyclic mask, one allreduce), docs/algorithm.md section 14, run over
+(the shared cyclic mask, one allreduce) and :class:`slamb_comm.sparseloco.SharedTopKSparseLoCo`
+(one rank's top-k positions, taking turns: a broadcast of offsets and one allreduce),
+docs/algorithm.md section 14, run over
 :class:`~slamb_comm.adapters.torch.collectives.TorchTransport` (or alone when no process group is
 initialised). As for DiLoCo (:mod:`.periodic`, whose wrapper this reuses): parameters are bucketed
 by device and compute dtype, one core object per bucket; 16-bit parameters go through float32
@@ -22,7 +25,7 @@ from slamb_comm.periodic import DEFAULT_INTERVAL
 
 from .periodic import OuterLoop
 
-__all__ = ["SparseLoCo", "SharedMaskSparseLoCo"]
+__all__ = ["SparseLoCo", "SharedMaskSparseLoCo", "SharedTopKSparseLoCo"]
 
 
 class SparseLoCo(OuterLoop):
@@ -75,3 +78,23 @@ class SharedMaskSparseLoCo(OuterLoop):
         self._wrap(optimizer, process_group, lambda t, arrays, names: core.SharedMaskSparseLoCo(
             t, arrays, sync_interval=sync_interval, outer_lr=outer_lr, beta=beta, ratio=ratio,
             value_dtype=value_dtype, seed=seed, dense_threshold=dense_threshold, names=names))
+
+
+class SharedTopKSparseLoCo(OuterLoop):
+    """SparseLoCo on shared top-k positions (docs/algorithm.md section 14.7): at each outer step
+    one rank, taking turns, broadcasts the offsets of its chunk-wise top-k, and every rank sends
+    its accumulator there in one allreduce. Payload and wire per link do not grow with the
+    number of ranks.
+
+    Args:
+        optimizer, process_group, sync_interval, outer_lr, beta, chunk, topk: as :class:`SparseLoCo`.
+        value_dtype: 'float16' (default) or 'float32': the allreduced values' dtype.
+    """
+
+    method = "SharedTopKSparseLoCo"
+
+    def __init__(self, optimizer, process_group=None, sync_interval=DEFAULT_INTERVAL, outer_lr=1.0, beta=0.95,
+                 chunk=4096, topk=64, value_dtype="float16"):
+        self._wrap(optimizer, process_group, lambda t, arrays, names: core.SharedTopKSparseLoCo(
+            t, arrays, sync_interval=sync_interval, outer_lr=outer_lr, beta=beta, chunk=chunk, topk=topk,
+            value_dtype=value_dtype, names=names))
