@@ -762,11 +762,11 @@ class ndarray:
     def sum(self, axis=None, dtype=None, out=None):
         return _run("sum", np.sum, (self,), {"axis": axis, "dtype": dtype, "out": out})
 
-    def max(self, axis=None, out=None):
-        return _run("max", np.max, (self,), {"axis": axis, "out": out})
+    def max(self, axis=None, out=None, keepdims=False):
+        return _run("max", np.max, (self,), {"axis": axis, "out": out, "keepdims": keepdims})
 
-    def min(self, axis=None, out=None):
-        return _run("min", np.min, (self,), {"axis": axis, "out": out})
+    def min(self, axis=None, out=None, keepdims=False):
+        return _run("min", np.min, (self,), {"axis": axis, "out": out, "keepdims": keepdims})
 
     def all(self, axis=None):
         return _run("all", np.all, (self,), {"axis": axis})
@@ -974,9 +974,10 @@ for _name in ("abs", "negative", "multiply", "add", "subtract", "divide", "true_
               "isfinite", "isnan", "maximum", "minimum", "clip", "not_equal", "equal", "greater",
               "less", "logical_not", "logical_or", "logical_and", "sum", "remainder", "bitwise_xor",
               "right_shift", "exp", "log", "power", "dot", "vdot", "einsum", "broadcast_to", "any", "all",
-              "empty_like", "floor_divide"):
+              "empty_like", "floor_divide", "rint", "packbits", "unpackbits"):
     globals()[_name] = _fn(_name)
 for _name, _cost in (("concatenate", _join_cost), ("stack", _join_cost), ("take", _take_cost), ("put", _put_cost),
+                     ("take_along_axis", _take_cost),
                      ("searchsorted", _search_cost), ("cumsum", _cumsum_cost), ("sort", _sort_cost),
                      ("array_equal", _compare_all_cost), ("allclose", _compare_all_cost),
                      ("full_like", _writes_only), ("zeros_like", _writes_only), ("ones_like", _writes_only)):
@@ -1053,6 +1054,12 @@ def argsort(a, axis=-1, kind=None):
         c.temp = n * isz + 8 * n + sort.temp
         return c
     return _run("argsort", np.argsort, (a,), {"axis": axis, "kind": "stable"}, cost)
+
+
+def argpartition(a, kth, axis=-1):
+    """CuPy's ``argpartition`` sorts the whole array, as ``argsort`` does (its documented note):
+    the indices of a full stable sort, which partition at any ``kth``; charged as ``argsort``."""
+    return argsort(a, axis=axis)
 
 
 def partition(a, kth, axis=-1):

@@ -1,7 +1,7 @@
 """SparseLoCo, the shared-mask and the shared-top-k SparseLoCo in one process (docs/algorithm.md section 14): the
 bit packing, the chunk-wise top-k and the quantizer against their definitions, exact decoding
-where nothing is lost, the rules at P = 1 against the inner optimizer, state round trips, bytes
-and errors. Every step against the dense float64 reference at 1, 2 and 4 ranks:
+where nothing is lost, the rules at P = 1 against the inner optimizer, state round trips, bytes,
+errors, and the CuPy branch on the strict double. Every step against the dense float64 reference at 1, 2 and 4 ranks:
 mpi_tests/test_sparseloco.py."""
 
 import copy
@@ -414,3 +414,37 @@ def test_torch_errors():
     opt = tsl.SharedMaskSparseLoCo(torch.optim.AdamW(ps))
     with pytest.raises(ValueError, match="one saved by SparseLoCo"):
         opt.load_state_dict(tsl.SparseLoCo(torch.optim.AdamW(ps)).state_dict())
+
+
+# ----------------------------------------------------------------------------- the CuPy branch (strict double)
+import strict_cupy  # noqa: E402  (tests/ is on the path)
+
+
+@pytest.mark.parametrize("variant,reads", [("topk", 1), ("mask", 1), ("shared_topk", 2)])
+def test_cupy_branch_equals_numpy_with_its_host_reads(variant, reads):
+    """Every variant on device arrays (the strict CuPy double) gives NumPy's bits, with one host
+    read per outer step (two for the shared top-k: the leader's status word, then the allreduce's)
+    and none between outer steps."""
+    def make(x):
+        return {"topk": lambda: SparseLoCo(None, x, sync_interval=2, chunk=64, topk=4),
+                "mask": lambda: SharedMaskSparseLoCo(None, x, sync_interval=2, ratio=0.25, dense_threshold=0),
+                "shared_topk": lambda: SharedTopKSparseLoCo(None, x, sync_interval=2, chunk=64, topk=4)}[variant]()
+
+    x = params(dtype=np.float32)
+    d = make(x)
+    with strict_cupy.install() as cp:
+        strict_cupy.Device.current = 0
+        xd = [cp.asarray(a) for a in params(dtype=np.float32)]
+        dd = make(xd)
+        for t in range(1, 7):
+            g = grads(t, x)
+            for a, b, gi in zip(x, xd, g):
+                a -= np.float32(0.01) * gi.astype(np.float32)
+                b -= cp.asarray(np.float32(0.01) * gi.astype(np.float32))
+            d.step(x)
+            strict_cupy.reset_syncs()
+            dd.step(xd)
+            assert strict_cupy.total_syncs() == (reads if t % 2 == 0 else 0), dict(strict_cupy.syncs)
+            for a, b in zip(x, xd):
+                assert np.array_equal(a, b.get()), t
+        assert isinstance(dd.error, cp.ndarray) and np.array_equal(d.error, dd.error.get())
