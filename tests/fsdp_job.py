@@ -331,17 +331,24 @@ JOBS = {"match": match, "match_sadamw": lambda R, S: match(R, S, sadamw=True), "
 NEEDS_DIR = {"dcp": dcp_resume}
 
 
-def main():
-    mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def serve(mode, out_dir, run, teardown=True):
+    """The body of every FSDP2 test job under torchrun: for each of ``mode``'s "+"-joined modes
+    ("match+errors": both in one launch), ``run(m)``'s result goes to ``out_dir/m.RANK.json``;
+    then a barrier and the tear-down (not with ``teardown=False``: a script that exits without)."""
     dist.init_process_group("gloo")
-    for m in mode.split("+"):  # "match+errors": both in one launch
-        result = NEEDS_DIR[m](R, S, out_dir) if m in NEEDS_DIR else JOBS[m](R, S)
+    for m in mode.split("+"):
+        result = run(m)
         with open(os.path.join(out_dir, f"{m}.{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
-    if mode == "no_teardown":
-        return
-    dist.barrier()
-    dist.destroy_process_group()
+    if teardown:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main():
+    mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    serve(mode, out_dir, lambda m: NEEDS_DIR[m](R, S, out_dir) if m in NEEDS_DIR else JOBS[m](R, S),
+          teardown=mode != "no_teardown")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ off, from the same start: the parameters must be the same bits (two replicas: th
 each step's way of exchanging and masked bytes are reported. Each rank writes ``OUT/<mode>.<rank>.json``.
 """
 
-import json
 import os
 import sys
 
@@ -189,12 +188,7 @@ JOBS = {"match": match, "recipes": recipes}
 
 def main():
     mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo")
-    for m in mode.split("+"):
-        with open(os.path.join(out_dir, f"{m}.{dist.get_rank()}.json"), "w") as f:
-            json.dump(JOBS[m](R, S), f)
-    dist.barrier()
-    dist.destroy_process_group()
+    fsdp_job.serve(mode, out_dir, lambda m: JOBS[m](R, S))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ state as loaded (``loaded.<case>.<rank>.pt``), for the test to check against sec
 rank writes ``OUT_DIR/<mode>.<rank>.json``.
 """
 
-import json
 import os
 import sys
 
@@ -31,7 +30,7 @@ from slamb_comm.adapters.torch.tensors import local_of
 from slamb_comm.errors import ConfigError, PeerError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fsdp_job import float_run, train  # noqa: E402
+from fsdp_job import float_run, serve, train  # noqa: E402
 
 
 def grid(R, S):
@@ -194,12 +193,7 @@ JOBS = {"four": four, "two": two}
 
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    result = JOBS[mode](out_dir)
-    with open(os.path.join(out_dir, f"{mode}.{dist.get_rank()}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    serve(mode, out_dir, lambda m: JOBS[m](out_dir))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ averages the gradient over the S ranks of replica r, its reduce-scatter):
 Each rank writes ``OUT_DIR/<mode>.<rank>.json``.
 """
 
-import json
 import math
 import os
 import sys
@@ -43,7 +42,7 @@ from slamb_comm.adapters.torch.hybrid_topk import HybridTopK
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from adamw_reference import Adam  # noqa: E402  (AdamW in float64, written out as torch computes it)
 # the model (at S = 2 its 33-, 5- and 3-row weights are cut unevenly), its batches, its loss, its sharding
-from fsdp_job import batch, loss_of, make_model, shard  # noqa: E402
+from fsdp_job import batch, loss_of, make_model, serve, shard  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 8
@@ -302,14 +301,8 @@ def errors(R, S):
 
 def main():
     mode, R, S, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    dist.init_process_group("gloo")
     run = {"topk": topk, "diloco": diloco, "desloc": desloc, "nonfinite": nonfinite, "errors": errors}
-    for m in mode.split("+"):
-        result = run[m](R, S)
-        with open(os.path.join(out_dir, f"{m}.{dist.get_rank()}.json"), "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    serve(mode, out_dir, lambda m: run[m](R, S))
 
 
 if __name__ == "__main__":
