@@ -254,6 +254,19 @@ def launch(method, lr, seed, args):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), path
 
 
+def reuse(files, out):
+    """Split earlier ``runs.csv`` files (comma-separated) into ``<out>/runs/<tag>.csv``: the runs
+    they hold count as done (a run already there is kept), so one table can gather them."""
+    for f in filter(None, (files or "").split(",")):
+        by_tag = {}
+        for r in csv.DictReader(open(f)):
+            by_tag.setdefault(tag(r["method"], float(r["lr"]), int(r["seed"])), []).append(r)
+        for t, rows in by_tag.items():
+            path = os.path.join(out, "runs", t + ".csv")
+            if not os.path.exists(path):
+                write_rows(rows, path)
+
+
 def run_all(jobs, args):
     """Run ``(method, lr, seed)`` jobs, ``--parallel`` at a time; returns their CSV paths."""
     pending, running, paths = list(jobs), [], {}
@@ -372,6 +385,7 @@ def main(argv=None):
                          "'adamw=0.004;sparseloco=0.004,0.008' (the others keep theirs)")
     ap.add_argument("--phase", choices=["sweep", "all"], default="all", help="sweep: seed 0's lr sweep only")
     ap.add_argument("--rerun", action="store_true")
+    ap.add_argument("--reuse", default=None, help="earlier runs.csv files (comma-separated) whose runs count as done")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -386,6 +400,7 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    reuse(args.reuse, args.out)
     grid = {m: METHODS[m][0][:args.grid_size] for m in methods}
     for part in (args.lr_grid or "").split(";"):
         name, _, lrs = part.rpartition("=")

@@ -419,6 +419,13 @@ def test_peers_benchmark_sparseloco_arms(tmp_path):
                      ("sparseloco-sharedtopk@2@64", (12 + 16 * 1.5) / 28 / 1.5)):
         pay, w4 = (float(table[m][i].rstrip("%")) for i in (3, 4))  # an all-gather's wire is P/2 payloads
         assert w4 == pytest.approx(pay * ratio, abs=0.011)
+    # --reuse: the runs of a runs.csv count as done; the same table comes back with nothing launched
+    again = subprocess.run([sys.executable, "benchmarks/peers.py", "--methods", methods, "--ranks", "2", "--steps", "4",
+                            "--eval-every", "2", "--seeds", "0", "--lr-grid", "0.004", "--reuse",
+                            str(out_dir / "runs.csv"), "--out", str(tmp_path / "again")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and "[peers]" not in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (tmp_path / "again" / "peers.md").read_text() == (out_dir / "peers.md").read_text()
 
 
 # ---------------------------------------------------------------------------- lr table (issue 37)
