@@ -131,6 +131,26 @@ def close(got, want, tol):
     assert err < tol, err
 
 
+def every_step(d, x, ref, H, tol, outer_bytes):
+    """13 steps of ``d`` on this rank's ``x`` (inner AdamW) beside ``ref``: x after every step;
+    anchor and error after each outer step, equal on every rank, and ``outer_bytes(t, traffic)``;
+    nothing sent between outer steps."""
+    opt = Adam(x)
+    for t in range(1, 14):
+        opt.step(x, rank_grads(ME, t, x))
+        assert d.step(x) == (t % H == 0)
+        ref.step()
+        close(x, ref.x[ME], tol)
+        tr = d.stats.new_step()
+        if t % H == 0:
+            close(d.anchor, ref.anchor, tol)
+            close(d.error, ref.e[ME], tol)
+            assert same_everywhere(flat(x)) and same_everywhere(d.anchor)
+            outer_bytes(t, tr)
+        else:
+            assert tr.calls == 0
+
+
 def sparseloco_nbytes(bits):
     """Section 14's payload, from its definition: N = 351, s = 64: 6 chunks (the last of 31
     elements sends ceil(4 * 31 / 64) = 2), K = 5 * 4 + 2 = 22 entries of 6 + bits bits."""
@@ -176,25 +196,16 @@ def test_core_shared_mask_every_step(value_dtype, tol):
     x = rank_params(ME)
     d = SharedMaskSparseLoCo(MPITransport(), x, sync_interval=H, outer_lr=0.8, beta=0.9, ratio=ratio,
                              value_dtype=value_dtype, dense_threshold=0)
-    opt = Adam(x)
     ref = Reference(H, lr=0.8, beta=0.9, ratio=ratio, round_to={None: None, "float32": np.float32,
                                                                "float16": np.float16}[value_dtype])
     item = {None: 8, "float32": 4, "float16": 2}[value_dtype]
-    for t in range(1, 14):
-        opt.step(x, rank_grads(ME, t, x))
-        assert d.step(x) == (t % H == 0)
-        ref.step()
-        close(x, ref.x[ME], tol)
-        tr = d.stats.new_step()
-        if t % H == 0:
-            close(d.anchor, ref.anchor, tol)
-            close(d.error, ref.e[ME], tol)
-            assert same_everywhere(flat(x)) and same_everywhere(d.anchor)
-            m = mask_positions(t // H, ratio, dense_threshold=0).size
-            assert 0 < m < N and (tr.payload_bytes, tr.elements_sent) == ((m + 1) * item, m)
-            assert tr.wire_bytes == allreduce_wire((m + 1) * item, P)  # the same at any P: no index, no gather
-        else:
-            assert tr.calls == 0
+
+    def outer_bytes(t, tr):
+        m = mask_positions(t // H, ratio, dense_threshold=0).size
+        assert 0 < m < N and (tr.payload_bytes, tr.elements_sent) == ((m + 1) * item, m)
+        assert tr.wire_bytes == allreduce_wire((m + 1) * item, P)  # the same at any P: no index, no gather
+
+    every_step(d, x, ref, H, tol, outer_bytes)
 
 
 @pytest.mark.parametrize("value_dtype,tol", [(None, 1e-12), ("float32", 1e-6), ("float16", 3e-3)])
@@ -207,27 +218,18 @@ def test_core_shared_topk_every_step(value_dtype, tol):
     x = rank_params(ME)
     d = SharedTopKSparseLoCo(MPITransport(), x, sync_interval=H, outer_lr=0.8, beta=0.9, chunk=CHUNK, topk=TOPK,
                              value_dtype=value_dtype)
-    opt = Adam(x)
     ref = Reference(H, lr=0.8, beta=0.9, leader=True,
                     round_to={None: None, "float32": np.float32, "float16": np.float16}[value_dtype])
     item = {None: 8, "float32": 4, "float16": 2}[value_dtype]
     index_bytes = 8 + 24  # K = 22 offsets of 6 bits = 132 bits = 17 bytes, padded to 24
     assert d.index_bytes == index_bytes and [d.leader(j) for j in (1, 2, 3)] == [0, 1 % P, 2 % P]
-    for t in range(1, 14):
-        opt.step(x, rank_grads(ME, t, x))
-        assert d.step(x) == (t % H == 0)
-        ref.step()
-        close(x, ref.x[ME], tol)
-        tr = d.stats.new_step()
-        if t % H == 0:
-            close(d.anchor, ref.anchor, tol)
-            close(d.error, ref.e[ME], tol)
-            assert same_everywhere(flat(x)) and same_everywhere(d.anchor)
-            values = 23 * item
-            assert (tr.payload_bytes, tr.elements_sent) == (index_bytes + values, 22)
-            assert tr.wire_bytes == broadcast_wire(index_bytes, P) + allreduce_wire(values, P)  # flat in P
-        else:
-            assert tr.calls == 0
+
+    def outer_bytes(t, tr):
+        values = 23 * item
+        assert (tr.payload_bytes, tr.elements_sent) == (index_bytes + values, 22)
+        assert tr.wire_bytes == broadcast_wire(index_bytes, P) + allreduce_wire(values, P)  # flat in P
+
+    every_step(d, x, ref, H, tol, outer_bytes)
     assert d.stats.by_kind["sparseloco_shared_topk"].calls == 13 // H
 
 

@@ -94,6 +94,11 @@ class ChunkTopK:
             self._dev[key] = self.entry_chunk if xp is np else xp.asarray(self.entry_chunk)
         return self._dev[key]
 
+    def positions(self, offsets):
+        """Positions in the fused buffer (int64 [K]) of ``offsets`` within their chunks, given chunk
+        by chunk in payload order (an entry's chunk is implied by its place)."""
+        return self._chunk_of(_arr.namespace(offsets)) * self.s + offsets.astype(np.int64, copy=False)
+
     def select(self, e):
         """Each chunk's top-k of ``|e|`` (a fused 1-D buffer of N elements): ``(offsets within the
         chunk, int64 [K]; values [K])``, chunk by chunk. Ties: in the order argpartition leaves them."""
@@ -164,8 +169,7 @@ class ChunkTopK:
         else:
             ok = xp.isfinite(codes.astype(np.uint32).view(np.float32)).all()
         pack_bits((offs.astype(np.uint64) << np.uint64(self.bits)) | codes, self.width, entries)
-        pos = self._chunk_of(xp) * self.s + offs
-        return pos, self.dequantize(codes, a, e.dtype), ok
+        return self.positions(offs), self.dequantize(codes, a, e.dtype), ok
 
     def decode(self, buf, dtype):
         """One payload (uint8 [nbytes]) -> ``(positions in the fused buffer, int64 [K]; values [K]
@@ -173,7 +177,7 @@ class ChunkTopK:
         xp, dtype = _arr.namespace(buf), np.dtype(dtype)
         fields = unpack_bits(buf[8 + self.scale_bytes : self.nbytes], self.width, self.K)
         codes = fields & np.uint64((1 << self.bits) - 1)
-        pos = self._chunk_of(xp) * self.s + (fields >> np.uint64(self.bits)).astype(np.int64)
+        pos = self.positions((fields >> np.uint64(self.bits)).astype(np.int64))
         scales = None if self.bits == 32 else buf[8 : 8 + 4 * self.n_chunks].copy().view(np.float32)
         return pos, self.dequantize(codes, scales, dtype)
 

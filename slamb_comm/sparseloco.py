@@ -116,6 +116,16 @@ class _SparseOuter(Periodic):
             d += self.anchor.dtype.type(self.beta) * self.error
         return d, xp.isfinite(d).all()
 
+    def _update(self, summed):
+        """The anchor's decrement from an allreduced sum of the sent values (in the payload's
+        dtype): widened to the arrays' dtype before dividing by P (it may exceed float16), times
+        outer_lr."""
+        mean = _arr.cast(summed, self.dtype)
+        if self.transport.size > 1:
+            mean *= self.dtype.type(1.0 / self.transport.size)
+        mean *= self.dtype.type(self.outer_lr)
+        return mean
+
     def _apply(self, views, flat):
         """x = anchor on this rank (in place)."""
         if flat is not None:
@@ -303,10 +313,7 @@ class SharedMaskSparseLoCo(_SparseOuter):
                 self.comm.reduce_checked(buf, problem, bad, f"SharedMaskSparseLoCo outer step {j} (t = {self.t})",
                                          (sel.starts, sel.counts), sent=lambda: sent)
             t2 = time.perf_counter()
-            mean = _arr.cast(buf[:m], self.dtype)  # the sum, widened before dividing (it may exceed float16)
-            if P > 1:
-                mean *= self.dtype.type(1.0 / P)
-            mean *= self.dtype.type(self.outer_lr)
+            mean = self._update(buf[:m])
             vals -= _arr.cast(sent, self.dtype)
             sel.put(e, vals)
             a = sel.take(self.anchor)
@@ -367,9 +374,10 @@ class SharedTopKSparseLoCo(_SparseOuter):
         """The rank whose top-k positions outer step ``j`` (1-based) uses."""
         return (j - 1) % self.transport.size
 
-    def _positions(self, xp, e, problem, root):
+    def _positions(self, xp, e, ok, problem, root):
         """Broadcast the leader's chunk-wise top-k offsets; every rank returns the positions in the
-        fused buffer (int64 [K]). Raises on every rank, nothing changed, if the leader flagged."""
+        fused buffer (int64 [K]). ``ok``: whether the leader's e is finite (from the fold). Raises on
+        every rank, nothing changed, if the leader flagged."""
         codec = self.codec
         buf = xp.zeros(self.index_bytes, np.uint8)
         status = buf[:4].view(np.int32)
@@ -378,7 +386,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
             if problem is None:
                 offs, _ = codec.select(e)
                 pack_bits(offs.astype(np.uint64), codec.index_bits, buf[8:])
-                status[...] = xp.where(xp.isfinite(e).all(), STATUS_OK, STATUS_NON_FINITE)
+                status[...] = xp.where(ok, STATUS_OK, STATUS_NON_FINITE)
         self.transport.broadcast(buf, root=root)
         code = int(_arr.to_host(buf[:4].copy().view(np.int32))[0])  # the first host read
         if code:
@@ -386,8 +394,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
             raise collective_error(codes, problem if self.transport.rank == root else None,
                                    f"SharedTopKSparseLoCo outer step at t = {self.t} (leader rank {root})",
                                    nonfinite="non-finite pseudo-gradient or accumulator (NaN/Inf)")
-        offs = unpack_bits(buf[8:], codec.index_bits, codec.K).astype(np.int64)
-        return codec._chunk_of(xp) * codec.s + offs
+        return codec.positions(unpack_bits(buf[8:], codec.index_bits, codec.K).astype(np.int64))
 
     def step(self, x=None):
         """As :meth:`SparseLoCo.step`, through one broadcast of the leader's offsets and one allreduce."""
@@ -406,7 +413,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
         with _arr.device_scope(self.anchor):
             e, ok = self._fold(xp, views, flat) if problem is None else (self.error, False)
             with self.stats.failed("sparseloco_shared_topk", lambda: traffic(0.0, time.perf_counter() - t0, 0.0)):
-                pos = self._positions(xp, e, problem, self.leader(j))
+                pos = self._positions(xp, e, ok, problem, self.leader(j))
                 t1 = time.perf_counter()
                 buf = xp.zeros(K + 1, vd)
                 vals = e[pos]
@@ -416,12 +423,8 @@ class SharedTopKSparseLoCo(_SparseOuter):
                                          (~ok if xp is not np else not bool(ok)),
                                          f"SharedTopKSparseLoCo outer step {j} (t = {self.t})", sent=lambda: sent)
             t2 = time.perf_counter()
-            mean = _arr.cast(buf[:K], self.dtype)  # the sum, widened before dividing (it may exceed float16)
-            if P > 1:
-                mean *= self.dtype.type(1.0 / P)
-            mean *= self.dtype.type(self.outer_lr)
             e[pos] = vals - _arr.cast(sent, self.dtype)
-            self.anchor[pos] -= mean
+            self.anchor[pos] -= self._update(buf[:K])
             self.error = e
             self._apply(views, flat)
         self.stats.record("sparseloco_shared_topk", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))

@@ -165,22 +165,14 @@ def test_sparseloco_sending_everything_is_the_inner_optimizer_bitwise(fused):
         assert not d.error.any()
 
 
-def test_shared_mask_at_ratio_one_is_the_inner_optimizer_bitwise():
+@pytest.mark.parametrize("variant", ["mask", "shared_topk"])
+def test_shared_variants_sending_everything_are_the_inner_optimizer_bitwise(variant):
+    """The cyclic mask at ratio 1 and the shared top-k with topk = chunk send every entry: alone,
+    AdamW's steps bitwise. Payload: N + 1 float64 values (and the 6-bit offsets' 264 bytes)."""
     x, alone = params(positive=True), params(positive=True)
-    d = SharedMaskSparseLoCo(None, x, sync_interval=1, beta=0.0, ratio=1.0, value_dtype=None)
-    opt, ref = Adam(x, lr=1e-3), Adam(alone, lr=1e-3)
-    for t in range(1, 6):
-        opt.step(x, grads(t, x))
-        ref.step(alone, grads(t, alone))
-        assert d.step(x)
-        for a, b in zip(x, alone):
-            assert np.array_equal(a, b), t
-        assert d.stats.last.payload_bytes == (N + 1) * 8
-
-
-def test_shared_topk_sending_everything_is_the_inner_optimizer_bitwise():
-    x, alone = params(positive=True), params(positive=True)
-    d = SharedTopKSparseLoCo(None, x, sync_interval=1, beta=0.0, chunk=64, topk=64, value_dtype=None)
+    d = SharedMaskSparseLoCo(None, x, sync_interval=1, beta=0.0, ratio=1.0, value_dtype=None) if variant == "mask" \
+        else SharedTopKSparseLoCo(None, x, sync_interval=1, beta=0.0, chunk=64, topk=64, value_dtype=None)
+    index_bytes = 0 if variant == "mask" else 8 + 264
     opt, ref = Adam(x, lr=1e-3), Adam(alone, lr=1e-3)
     for t in range(1, 6):
         opt.step(x, grads(t, x))
@@ -189,7 +181,7 @@ def test_shared_topk_sending_everything_is_the_inner_optimizer_bitwise():
         for a, b in zip(x, alone):
             assert np.array_equal(a, b), t
         assert not d.error.any()
-        assert d.stats.last.payload_bytes == d.index_bytes + (N + 1) * 8 and d.index_bytes == 8 + 264  # 6-bit offsets
+        assert d.stats.last.payload_bytes == index_bytes + (N + 1) * 8
 
 
 def test_shared_topk_sends_the_chunks_largest_and_keeps_the_rest():
