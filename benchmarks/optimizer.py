@@ -25,11 +25,17 @@ baseline's in the same repetition (with the 25th and 75th percentiles).
 
 **Memory**: each arm runs in a fresh subprocess that builds the model, its gradients and
 the libraries' warm state, then resets the kernel's peak-RSS mark (``/proc/self/clear_refs``),
-builds the optimizer and takes ``--steps`` steps; the peak RSS above the baseline, divided by
-the number of parameters, is the optimizer's peak memory per parameter: its state plus
-every temporary of a step. The subprocess runs with a fixed glibc mmap threshold (64 KiB), so
-that freed and reused heap memory cannot hide an allocation from the peak. On a GPU: ``torch.cuda.max_memory_allocated`` above the baseline
-plus the CuPy pool's high-water mark.
+builds the optimizer, resets the mark again and takes ``--steps`` steps; the peak RSS of the
+steps above the baseline (taken before the optimizer was built), divided by the number of
+parameters, is the optimizer's peak memory per parameter: its state plus every temporary of a
+step (``value``). The peak while the optimizer is built is its own column (``build_peak``): a
+one-time transient, such as ``SLAMB``'s flat buffer on a GPU, into which the parameters move (for
+a moment both copies exist: 4 bytes per parameter, none after), and the memory held after the
+steps is ``kept``. The subprocess runs with a fixed glibc mmap threshold (64 KiB), so that freed
+and reused heap memory cannot hide an allocation from the peak. On a GPU: the same three from
+``torch.cuda``'s allocator statistics (``max_memory_allocated``, reset after the build) above the
+baseline, plus the bytes CuPy's pool holds (``total_bytes()``: what it took from the device, its
+high-water mark, since it caches what is freed; ``used_bytes()`` for ``kept``).
 
 Writes ``--out`` (CSV) and prints a table.
 """
@@ -139,8 +145,9 @@ def _rss_kb(field):
 
 
 def memory_of(arm, layers, width, steps, device):
-    """Peak bytes above the baseline while ``arm`` is built and takes ``steps`` steps (run in
-    a fresh process by :func:`main`)."""
+    """Bytes above the baseline (before the optimizer is built) while ``arm`` is built
+    (``build_peak``), at the peak of its ``steps`` steps (``peak_bytes``: state and temporaries)
+    and after them (``kept_bytes``); run in a fresh process by :func:`main`."""
     import torch
 
     params = build_model(layers, width, device)
@@ -153,28 +160,49 @@ def memory_of(arm, layers, width, steps, device):
         step()
         step()
     del tiny, step
-    if device == "cuda":
-        import cupy
+    mark = _cuda_marks() if device == "cuda" else _rss_marks()
+    base = mark("reset")
+    step = build_arm(arm, params)
+    build = mark("peak") - base
+    mark("reset")
+    for _ in range(steps):
+        step()
+    peak, kept = mark("peak") - base, mark("now") - base
+    return {"arm": arm, "params": n, "peak_bytes": peak, "bytes_per_param": peak / n,
+            "build_peak_bytes_per_param": build / n, "kept_bytes_per_param": kept / n}
 
+
+def _rss_marks():
+    """``mark(what)``: the process's resident bytes now (``"now"``, ``"reset"``: and restart the
+    peak mark from here) or at their peak since the last reset (``"peak"``)."""
+    def mark(what):
+        if what == "reset":
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")  # the peak-RSS mark restarts from here
+        return _rss_kb("VmHWM" if what == "peak" else "VmRSS") * 1024
+
+    return mark
+
+
+def _cuda_marks():
+    """As :func:`_rss_marks` on the GPU: torch's allocated bytes (their peak since the reset) plus
+    the bytes CuPy's pool holds: at a peak, all it took from the device (it keeps what is freed),
+    else those in use."""
+    import cupy
+    import torch
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+
+    def mark(what):
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        pool = cupy.get_default_memory_pool()
-        pool.free_all_blocks()
-        step = build_arm(arm, params)
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base + pool.total_bytes()
-    else:
-        base = _rss_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # the peak-RSS mark restarts from here
-        step = build_arm(arm, params)
-        for _ in range(steps):
-            step()
-        peak = (_rss_kb("VmHWM") - base) * 1024
-    return {"arm": arm, "params": n, "peak_bytes": peak, "bytes_per_param": peak / n}
+        if what == "reset":
+            torch.cuda.reset_peak_memory_stats()
+        if what == "peak":
+            return torch.cuda.max_memory_allocated() + pool.total_bytes()
+        return torch.cuda.memory_allocated() + pool.used_bytes()
+
+    return mark
 
 
 def main():
@@ -224,7 +252,8 @@ def main():
             r = mem[arm]
             rows.append({"kind": "memory", "arm": arm, "device": args.device, "params": r["params"],
                          "value": r["bytes_per_param"], "unit": "bytes/param",
-                         "ratio": r["bytes_per_param"] / mem[base_arm]["bytes_per_param"] if base_arm in mem else ""})
+                         "ratio": r["bytes_per_param"] / mem[base_arm]["bytes_per_param"] if base_arm in mem else "",
+                         "build_peak": r["build_peak_bytes_per_param"], "kept": r["kept_bytes_per_param"]})
             if "adamw" in mem:
                 rows[-1]["ratio_to_adamw_default"] = r["bytes_per_param"] / mem["adamw"]["bytes_per_param"]
     if args.what in ("time", "both") and [a for a in arms if a not in ARMS_P2]:
@@ -248,6 +277,8 @@ def main():
         ratio = f"{r['ratio']:.2f}" if r["ratio"] != "" else ""
         if r.get("ratio_p25", "") != "":
             ratio += f"  [p25 {r['ratio_p25']:.2f}, p75 {r['ratio_p75']:.2f}]"
+        if r["kind"] == "memory":
+            ratio += f"  (build peak {r['build_peak']:.2f}, kept {r['kept']:.2f})"
         print(f"{r['kind']:7s} {r['arm']:16s} {r['params']:10d} {r['value']:9.2f} {r['unit']:12s} {ratio}")
     if args.out:
         from csvout import write_rows

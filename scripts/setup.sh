@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One idempotent set-up step for slamb_comm on a fresh Debian machine with Python 3.11:
-# Open MPI, torch==2.13.0 (CPU wheel), mpi4py, CuPy 14.2 with NVRTC (no GPU needed), Horovod 0.28.1
+# Open MPI, torch==2.13.0 (CPU wheel), mpi4py, CuPy 14.2 with NVRTC and ptxas (no GPU needed), Horovod 0.28.1
 # built from its sdist with PyTorch + MPI + Gloo, and this package in editable mode with its extras.
 # A second run skips every step that is already done. Any failure stops the script and
 # names the step that failed.
@@ -54,6 +54,15 @@ sys.exit(0 if cupy.__version__ == '${CUPY_VERSION}' else 1)" 2>/dev/null; then
   echo "[setup]   already installed"
 else
   "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" "cupy-cuda12x==${CUPY_VERSION}" nvidia-cuda-nvrtc-cu12
+fi
+
+step "ptxas (nvidia-cuda-nvcc-cu12): the kernels' registers and spills, no GPU needed"
+# tests/test_kernels_ptxas.py assembles NVRTC's PTX with the wheel's nvidia/cuda_nvcc/bin/ptxas.
+if "$PY" -c "import nvidia, os, sys
+sys.exit(0 if any(os.access(os.path.join(p, 'cuda_nvcc', 'bin', 'ptxas'), os.X_OK) for p in nvidia.__path__) else 1)" 2>/dev/null; then
+  echo "[setup]   already installed"
+else
+  "$PY" -m pip install -q --disable-pip-version-check -c "$PIN" nvidia-cuda-nvcc-cu12
 fi
 
 step "frameworks the integration tests run under: accelerate, transformers, lightning (torch pinned)"

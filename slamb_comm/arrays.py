@@ -10,13 +10,36 @@ import sys
 
 import numpy as np
 
-from .errors import DTypeError
+from .errors import DTypeError, SlambCommError
 
-__all__ = ["namespace", "as_array", "is_cupy", "to_host", "synchronize", "device_scope", "cast_into", "cast"]
+__all__ = ["namespace", "as_array", "is_cupy", "to_host", "synchronize", "device_scope", "cast_into", "cast",
+           "import_cupy", "CuPyMissingError"]
 
 # DLPack device types (dlpack.h): kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13.
 _DL_CPU = (1, 3)
 _DL_CUDA = (2, 13)
+
+
+class CuPyMissingError(SlambCommError, ImportError):
+    """A CUDA array was handed to the core, which needs CuPy for CUDA arrays, and CuPy cannot be
+    imported. An ``ImportError`` (what is missing is a package) and a :class:`SlambCommError` (so
+    an exchange that meets it on one rank raises on every rank instead of hanging)."""
+
+
+def import_cupy(what):
+    """CuPy, imported now because ``what`` (named in the error: a type, a device) is in CUDA memory.
+
+    Raises:
+        CuPyMissingError: ``import cupy`` failed; the message names the extra to install.
+    """
+    try:
+        import cupy
+    except ImportError as e:
+        raise CuPyMissingError(
+            f"{what} is in CUDA memory, and slamb_comm's core needs CuPy for CUDA arrays, but `import cupy` "
+            f"failed ({type(e).__name__}: {e}). Install CuPy with pip install \"slamb_comm[cuda12]\" "
+            '(or "slamb_comm[cuda13]" for CUDA 13 drivers)') from e
+    return cupy
 
 
 def is_cupy(x):
@@ -57,6 +80,8 @@ def as_array(x):
     ``x``, so in-place updates are seen by the owner of ``x``.
 
     Raises:
+        CuPyMissingError: ``x`` lives in CUDA memory and CuPy cannot be imported (its message
+            names the extra to install: ``slamb_comm[cuda12]`` or ``slamb_comm[cuda13]``).
         DTypeError: the object's dtype has no NumPy/CuPy equivalent (bfloat16, for
             example), whatever exception the DLPack import itself would raise, so that the
             communicator can turn it into a collective error.
@@ -75,17 +100,17 @@ def as_array(x):
             except (RuntimeError, TypeError):  # e.g. a conjugate or negative view: DLPack below says why
                 pass
         dev_type, _ = x.__dlpack_device__()
+        if int(dev_type) in _DL_CPU:
+            xp = np
+        elif int(dev_type) in _DL_CUDA:
+            xp = import_cupy(f"{type(x).__module__}.{type(x).__name__}")  # CuPy is imported only now
+        else:
+            raise TypeError(f"DLPack device type {int(dev_type)} is neither CPU nor CUDA")
         try:
-            if int(dev_type) in _DL_CPU:
-                return np.from_dlpack(x)
-            if int(dev_type) in _DL_CUDA:
-                import cupy  # a CUDA array was handed to us, so CuPy is needed
-
-                return cupy.from_dlpack(x)
+            return xp.from_dlpack(x)
         except Exception as e:  # noqa: BLE001 -- BufferError, RuntimeError, ...: one named error instead
             raise DTypeError(f"cannot import {type(x).__module__}.{type(x).__name__} of dtype {dt or '?'} "
                              f"through DLPack: {e}") from e
-        raise TypeError(f"DLPack device type {int(dev_type)} is neither CPU nor CUDA")
     raise TypeError(
         f"cannot use {type(x).__module__}.{type(x).__name__} as an array: "
         "pass a numpy/cupy array or an object with __dlpack__"

@@ -330,8 +330,8 @@ class Communicator(ParameterSync, TopKExchange):
                        status_in_buffer=False):
         """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
         rank that rejected its input (``problem``, an exception) or found non-finite values of
-        its own (``local_bad``: a bool, or a 0-d device array, so that nothing is read back
-        before sending). Then one host read decides: if any rank flagged, or (``whole``) any
+        its own (``local_bad``: a bool, a 0-d device array, or a callable returning one, so that
+        nothing is read back before sending). Then one host read decides: if any rank flagged, or (``whole``) any
         summed value is not finite, every rank raises and the caller must change nothing.
 
         ``spans``, ``(starts, counts)`` of each tensor's slice of the payload, names the tensors
@@ -367,10 +367,19 @@ class Communicator(ParameterSync, TopKExchange):
             ok = np.isfinite(word)
         if ok:
             return word
-        # The failure path (host reads are fine here): who flagged, and where the sums are bad.
+        raise self.failure(buf, problem, local_bad, what, spans, sent, mine)
+
+    def failure(self, buf, problem, local_bad, what, spans=None, sent=None, mine=None):
+        """The error every rank raises after a summed exchange that failed (:meth:`reduce_checked`'s
+        failure path, or a caller that decided on the device and reads the verdict later): who flagged
+        (one small allgather, so every rank calls it for the same exchange) and where the sums in ``buf``
+        are not finite. Host reads are fine here. ``local_bad``: a bool, a 0-d device array, or a callable
+        returning one."""
+        xp = _arr.namespace(buf)
         if problem is not None:
             code = STATUS_BAD_INPUT
-        elif bool(local_bad) or (sent is not None and not bool(xp.isfinite(sent()).all())):
+        elif bool(local_bad() if callable(local_bad) else local_bad) or (
+                sent is not None and not bool(xp.isfinite(sent()).all())):
             code = STATUS_NON_FINITE
         else:
             code = STATUS_OK
@@ -384,7 +393,7 @@ class Communicator(ParameterSync, TopKExchange):
             bad = _arr.to_host(~xp.isfinite(buf[:-1]))
             tensors = tuple(self.layout.names[i] for i, (s, c) in enumerate(zip(*spans))
                             if c and bad[s : s + c].any())
-        raise collective_error(codes, problem, what, tensors)
+        return collective_error(codes, problem, what, tensors)
 
     # ------------------------------------------------------------------ operations
     def select(self, step, xp=np, views=None):

@@ -21,7 +21,7 @@ from . import arrays as _arr
 from . import kernels as _k
 from .errors import LayoutError
 
-__all__ = ["Addresses", "AddressTables", "Tiles", "Tensors", "copy_range", "dummy", "tensors", "table_bytes", "tiled",
+__all__ = ["Addresses", "AddressTables", "Lookback", "Tiles", "Tensors", "copy_range", "dummy", "tensors", "table_bytes", "tiled",
            "GRID", "KEEP"]
 
 #: blocks per launch at most: the kernels loop over their tiles
@@ -29,6 +29,31 @@ GRID = 8192
 #: tables of addresses kept per role: tensors that alternate between a few places (a new tensor
 #: made while the old one is alive, then the old place reused) cost no copy
 KEEP = 4
+
+
+class Lookback:
+    """A few device words on their way back to the host without a wait: :meth:`send` queues an
+    asynchronous copy into pinned host memory on the current stream, with an event behind it;
+    :meth:`read` returns them, waiting only if the device has not got there yet (in a training loop the
+    next step's forward and backward passes lie between the two, so it does not wait)."""
+
+    def __init__(self, xp, n):
+        self._mem = xp.cuda.alloc_pinned_memory(4 * n)
+        self.host = np.frombuffer(self._mem, np.uint32, n)
+        self._event = None
+
+    def send(self, xp, words):
+        """Queue the copy of ``words`` (``n`` uint32 on the current device) behind the current stream's work."""
+        words.get(out=self.host, blocking=False)
+        self._event = xp.cuda.Event(disable_timing=True)
+        self._event.record()
+
+    def read(self, wait=False):
+        """The words of the last :meth:`send`. ``wait``: the caller knows the device has not got there
+        (the same step): wait for it without asking first."""
+        if self._event is not None and (wait or not self._event.done):
+            self._event.synchronize()
+        return self.host.copy()
 
 
 class Addresses(NamedTuple):

@@ -225,6 +225,10 @@ class _Mask:
         """|M_t| within tensor ``i`` (host integer, no device work)."""
         return self.picks(t, i, np).count
 
+    def counts(self, t):
+        """|M_t| within every tensor, a list (host integers)."""
+        return [self.count(t, i) for i in range(len(self.layout))]
+
     def select(self, t, xp=np, views=None, transport=None):
         """M_t over the layout as a :class:`Selection`."""
         return Selection(self.layout, [self.picks(t, i, xp) for i in range(len(self.layout))], xp,
@@ -264,6 +268,7 @@ class CyclicMask(_Mask):
         self._key = _mix((self.seed + _G1) & _M64)
         B = self.block
         self._geo = {}
+        self._counts = {}  # chunk -> every tensor's count in it (see counts())
         if layout.shards is not None:
             self._geo, self.units = self._sharded(layout, C), None
             return
@@ -349,6 +354,15 @@ class CyclicMask(_Mask):
 
     def count(self, t, i):
         return self.count_of_chunk(self.chunk(t), i)
+
+    def counts(self, t):
+        """|M_t| within every tensor: the same list for every step of one chunk (built once per chunk, so
+        that a step's host work does not grow with the tensors; do not change it)."""
+        j = self.chunk(t)
+        cached = self._counts.get(j)
+        if cached is None:
+            cached = self._counts[j] = [self.count_of_chunk(j, i) for i in range(len(self.layout))]
+        return cached
 
     def count_of_chunk(self, j, i):
         """The elements of tensor ``i`` in chunk ``j`` (every element of a dense tensor)."""

@@ -22,16 +22,18 @@ What it costs (N parameters, fp32):
   of the new momentum are computed (into the payload) and the gradients checked; m and v
   are updated in place only after every rank's status came back good. A step that fails
   (a NaN on any rank, a bad input) leaves m, v, x and the step count as they were.
-* **Host synchronisations on a GPU**: one per step (the exchange's status), one more on
-  periodic-sync steps, one more for the topk mask's union; none per tensor. Trust ratios
-  stay on the device.
+* **Host synchronisations on a GPU**: none per step on the device kernels (the cyclic mask): a
+  non-finite step is decided on the device and learnt at the next step (:meth:`SlambRule.settle`);
+  two on periodic-sync steps. Tensor by tensor (the bernoulli and topk masks): one per step (the
+  exchange's status), one more for the topk mask's union. None per tensor; trust ratios stay on
+  the device.
 * **Time on the CPU**: cache-sized blocks; the moments, the direction and the norms in one
   pass over each tensor, the update in a second.
-* **On a GPU**: :mod:`slamb_comm.fused` runs the step as four kernels over a table of tiles
+* **On a GPU**: :mod:`slamb_comm.fused` runs the step as a few kernels over a table of tiles
   (:mod:`slamb_comm.kernels`), on a fused buffer or a list of arrays alike: about 46 bytes of
   device traffic per parameter (``AdamW(fused=True)``: 28), 7 device operations at any number of
   tensors, m and v plus the payload in memory (about 8.4 bytes per parameter), no host-to-device
-  copy once its tables are built.
+  copy once its tables are built, no host read.
 
 Tuning guide (from the paper and docs/algorithm.md section 5):
 
@@ -53,7 +55,10 @@ second moment (``|g| >= sqrt(max)`` of the dtype), makes the step fail on every 
 ``on_nonfinite='skip'`` (default, like AMP's grad scaler) every rank skips it, logs it
 (logger ``slamb_comm``) with the ranks and tensor names, and counts it in
 :attr:`SlambRule.skipped_steps`; with ``'raise'`` every rank raises
-:class:`~slamb_comm.errors.NonFiniteError`. Either way nothing changes.
+:class:`~slamb_comm.errors.NonFiniteError`. Either way nothing changes. On the device kernels a
+skipped step is decided on the device: it counts in ``t`` until :meth:`SlambRule.settle` (the next
+step, :attr:`SlambRule.skipped_steps`, :meth:`SlambRule.state_dict`) takes it back, and the next
+step logs it.
 """
 
 import logging
@@ -138,7 +143,10 @@ class SlambRule(TensorwiseStep):
         self.lr = self.per_tensor(lr, "lr")
         self.weight_decay = self.per_tensor(weight_decay, "weight_decay")
         self.on_nonfinite = on_nonfinite
-        self.skipped_steps = 0  # steps skipped for non-finite values (on every rank alike)
+        self._skipped = 0  # steps skipped for non-finite values (on every rank alike)
+        #: steps opened so far, a retried step too (the device kernels mark an attempt's bad tensors with it)
+        self.opened = 0
+        self._unreported = None  # a step the device skipped, learnt by settle(), logged at the next step
         if check_options:
             self.agree_options()
         self.derived = comm.mask.kind == "cyclic"  # freshness follows from the mask's schedule
@@ -152,6 +160,7 @@ class SlambRule(TensorwiseStep):
         self._fx = {}
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
+        self._counts = self._starts = None  # M_t's count per tensor and the payload's starts (the CPU path)
         #: whether :meth:`step` takes the device kernels (:mod:`slamb_comm.fused`) for device arrays:
         #: None (default) where they apply, False never (tensor by tensor); NumPy arrays always go
         #: tensor by tensor (cache-sized blocks are the fast way on a CPU)
@@ -190,7 +199,7 @@ class SlambRule(TensorwiseStep):
             vals = [float(v) for v in value]
             if len(vals) != n:
                 raise ConfigError(f"{name}: {len(vals)} values for {n} tensors")
-        if any(v < 0 or not math.isfinite(v) for v in vals):
+        if not (math.isfinite(sum(vals)) and min(vals, default=0.0) >= 0):  # no call per tensor
             raise ConfigError(f"{name} must be finite and >= 0, got {value}")
         return vals
 
@@ -226,6 +235,50 @@ class SlambRule(TensorwiseStep):
         """Whether some tensor's freshness is stored (cyclic mask: it once skipped a step), not derived."""
         return bool(self._fx or (self._host or {}).get("fx"))
 
+    @property
+    def skipped_steps(self):
+        """Steps skipped for non-finite values, on every rank alike (a step decided on the device is
+        settled first: see :meth:`settle`)."""
+        self.settle()
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, n):
+        self._skipped = int(n)
+
+    def settle(self, wait=False):
+        """Learn whether the last step, if the device decided it (:meth:`step` with
+        ``on_nonfinite='skip'`` on device arrays), was skipped there: then it is taken back (``t`` goes
+        back by one, :attr:`skipped_steps` up by one) and logged at the next step. Reads one word back,
+        waiting only if the device has not reached that step's verdict yet. Returns whether it was.
+        Local: any rank may call it at any time; the next step and :meth:`state_dict` call it. ``wait``:
+        the caller knows the device has not reached it (a periodic-sync step settles its own step)."""
+        failed = self.device.settle(wait)
+        if failed is None:
+            return False
+        self.t -= 1
+        self._skipped += 1
+        self._unreported = failed
+        return True
+
+    def report_skips(self, wait=False):
+        """Collective, at the start of a step: settle the last step and log it if the device skipped it
+        (who and where: one small allgather). Returns whether it was skipped."""
+        self.settle(wait)
+        failed, self._unreported = self._unreported, None
+        if failed is None:
+            return False
+        e = self.device.explain(failed)
+        log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s", failed.t, self._skipped, e)
+        return True
+
+    def begin_step(self):
+        """Open step ``t + 1`` (after settling the last one) and return it."""
+        self.settle()
+        t = super().begin_step()
+        self.opened += 1
+        return t
+
     def end_step(self, t):
         """Commit step ``t``, whose update has been applied: it becomes the last step."""
         if self._t_open != t:
@@ -248,6 +301,7 @@ class SlambRule(TensorwiseStep):
         """The freshness f after the last committed step: of tensor ``i`` (shaped like it), or of
         the fused buffer (``i=None``); a host array. Derived from the mask's schedule for the
         cyclic mask (built here, O(size)); a copy of the stored state otherwise."""
+        self.settle()
         lay = self.layout
         idx = range(len(lay)) if i is None else [i]
         parts = []
@@ -296,6 +350,7 @@ class SlambRule(TensorwiseStep):
         at the next step, so each element is synchronised within ``ceil(1/ratio)`` steps of the
         change, and no freshness is stored for it (it is derived from the two masks until the
         new one's first cycle is complete)."""
+        self.settle()
         problem = None if self._t_open is None else RuntimeError(
             f"step {self._t_open} is open: change the ratio between steps")
         self.comm.set_ratio(ratio, self.t, problem=problem)
@@ -303,6 +358,7 @@ class SlambRule(TensorwiseStep):
     def state_dict(self):
         """This rank's state: step, m, v, f (host copies; f derived where the mask allows) and
         the communicator's state."""
+        self.settle()
         src = self._host if self._host is not None else {"m": self.m, "v": self.v}
         host = (lambda a: None if a is None else _arr.to_host(a).copy())
         have = src.get("m") is not None
@@ -321,6 +377,7 @@ class SlambRule(TensorwiseStep):
         GPU). For the cyclic mask the saved freshness is not needed (it is derived)."""
         if self._t_open is not None:
             raise RuntimeError("cannot load state in the middle of a step")
+        self.device.pending = self._unreported = None  # the last step's verdict is of the state replaced
         self.comm.load_state_dict(state["comm"])
         self.t = int(state["step"])
         self._xp = None
@@ -354,21 +411,24 @@ class SlambRule(TensorwiseStep):
         in the exchange with whatever ``g`` holds for them (zeros). It is :meth:`exchange_step`
         then :meth:`apply_step`.
         """
+        defer = self.on_nonfinite == "skip" and self.shard_group is None
         try:
-            self.exchange_step(x, g, skip)
+            self.exchange_step(x, g, skip, defer=defer)
         except NonFiniteError as e:
             return self._skip(e, x)
         return self.apply_step(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
 
-    def exchange_step(self, x, g, skip=()):
+    def exchange_step(self, x, g, skip=(), defer=False):
         """The first half of :meth:`step`: open the next step, take this rank's gradients ``g`` and run
         the momentum exchange. Nothing is changed yet: a NonFiniteError (on every rank alike) leaves
         the step closed and the state as it was. So several optimizers (buckets) can all exchange
-        before any of them updates, and skip together."""
+        before any of them updates, and skip together. ``defer``: on the device kernels, let the device
+        decide a non-finite step instead (no host read; :meth:`settle` learns of it later, and the step's
+        update changes nothing), as :meth:`step` does with ``on_nonfinite='skip'``."""
         xp = None if self.fused is False else _namespace_of(x)
         self._device_open = None
         if xp is not None and _fused.applies(self, x, g, xp, skip):
-            exchange = lambda: setattr(self, "_device_open", self.device.open_step(x, g))  # noqa: E731
+            exchange = lambda: setattr(self, "_device_open", self.device.open_step(x, g, defer))  # noqa: E731
         else:
             self.begin_step()
             try:
@@ -412,9 +472,9 @@ class SlambRule(TensorwiseStep):
         """A step that failed on every rank for non-finite values: raise, or count and log it."""
         if self.on_nonfinite == "raise":
             raise e
-        self.skipped_steps += 1
+        self._skipped += 1
         log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
-                    self.t + 1, self.skipped_steps, e)
+                    self.t + 1, self._skipped, e)
         return x
 
 

@@ -68,8 +68,9 @@ class TensorwiseStep:
         if kind == "topk":
             self._counts = None
         else:
-            self._counts = [self.comm.mask.count(t, i) for i in range(len(self.layout))]
-            self._starts = _starts(self._counts)
+            counts = self.comm.mask.counts(t)  # the cyclic mask's: one list per chunk
+            if counts is not self._counts:
+                self._counts, self._starts = counts, _starts(counts)
         return t
 
     def abort_step(self):
@@ -521,10 +522,9 @@ def trust_ratio(xn, un, c_min, c_max, xp=np):
 
 
 def _starts(counts):
-    s = [0]
-    for c in counts:
-        s.append(s[-1] + c)
-    return s
+    """Where each tensor's values start in the payload, and its end: ``[0, c0, c0 + c1, ...]`` (host
+    integers, no Python-level step per tensor)."""
+    return [0] + np.cumsum(np.asarray(counts, np.int64)).tolist()
 
 
 def _views(layout, x):

@@ -648,8 +648,22 @@ class ndarray:
         _sync("tolist", self._a.nbytes)
         return self._a.tolist()
 
-    def get(self, stream=None, order="C", out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if not blocking:  # an asynchronous copy into pinned host memory: a device operation, no wait
+            if not isinstance(out, np.ndarray) or not _is_pinned(out) or out.shape != self._a.shape or \
+                    out.dtype != self._a.dtype:
+                raise ValueError("get(blocking=False) needs out=, a pinned host array of the array's shape and dtype "
+                                 "(cupy.cuda.alloc_pinned_memory): from pageable memory CuPy's copy would not be "
+                                 "asynchronous")
+            out[...] = self._a
+            launches["memcpy(d2h)"] += 1
+            bytes_read["memcpy(d2h)"] += self._a.nbytes
+            cuda_log.append(("memcpy(d2h)", get_current_stream().ptr))
+            return out
         _sync("get", self._a.nbytes)  # (CuPy copies from the array's own device, whatever is current)
+        if out is not None:
+            out[...] = self._a
+            return out
         return self._a.copy()
 
     def set(self, arr, stream=None):
@@ -1325,10 +1339,19 @@ class Event:
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.id = next(Event._ids)
+        self._recorded = False
 
     def record(self, stream=None):
         s = stream if stream is not None else get_current_stream()
         cuda_log.append(("record", self.id, s.ptr))
+        self._recorded = True
+
+    @property
+    def done(self):
+        """Whether the work before the event's record has finished: here always (everything ran eagerly),
+        as on a GPU that has caught up; no wait, not counted."""
+        cuda_log.append(("query", self.id))
+        return True
 
     def synchronize(self):
         _sync("event.synchronize")
@@ -1379,7 +1402,32 @@ def get_current_stream():
     return Stream._stack[-1] if Stream._stack else _NULL
 
 
+_PINNED = weakref.WeakValueDictionary()  # address -> the pinned block that owns it
+
+
+class PinnedMemoryPointer(bytearray):
+    """Pinned host memory as CuPy's ``alloc_pinned_memory`` gives it: a buffer NumPy can view
+    (``numpy.frombuffer``), which :meth:`ndarray.get` may copy into without a wait."""
+
+    def __init__(self, nbytes):
+        super().__init__(max(1, int(nbytes)))
+        self.ptr = ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+        self.size = int(nbytes)
+        _PINNED[self.ptr] = self
+
+
+def alloc_pinned_memory(nbytes):
+    return PinnedMemoryPointer(nbytes)
+
+
+def _is_pinned(a):
+    """Whether host array ``a`` lies inside a block of :func:`alloc_pinned_memory`."""
+    base = a.ctypes.data
+    return builtins.any(p.ptr <= base and base + a.nbytes <= p.ptr + p.size for p in list(_PINNED.values()))
+
+
 cuda = types.ModuleType("cupy.cuda")
+cuda.alloc_pinned_memory = alloc_pinned_memory
 cuda.Device, cuda.Event, cuda.Stream, cuda.ExternalStream = Device, Event, Stream, ExternalStream
 cuda.get_current_stream = get_current_stream
 cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 2, getDevice=lambda: Device.current)

@@ -44,8 +44,10 @@ def _ptx(arch):
 
 def _names():
     names = {kernels.kernel_name("trust", np.float32)}
+    for v in ("float16", "float32", "float64"):
+        names.add(kernels.kernel_name("verdict", None, v))
     for p in ("float32", "float64"):
-        names.add(kernels.kernel_name("update", p))
+        names |= {kernels.kernel_name("update", p), kernels.kernel_name("update_levels", p)}
         for v in ("float16", "float32", "float64"):
             names |= {kernels.kernel_name("pack", p, v), kernels.kernel_name("moments", p, v)}
     return names
@@ -56,6 +58,6 @@ def test_every_kernel_compiles_under_nvrtc(arch):
     ptx = _ptx(arch)
     entries = set(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\(", ptx))
     names = _names()
-    assert len(names) == 15
+    assert len(names) == 20
     assert names <= entries, sorted(names - entries)
     assert not re.search(r"\bfma\.", ptx), "a multiply-add was contracted: the host build would round differently"

@@ -496,7 +496,7 @@ def test_the_librarys_kernels_compile_and_run_on_the_double(strict):
     cp = strict
     part = np.array([[4.0, 1.0, 1.0, 0.25], [5.0, 2.0, 3.0, 1.0], [9.0, 0.0, 0.0, 0.0]])  # xx, ww, xs, ws per tile
     tt0, ntt = np.array([0, 2], np.int64), np.array([2, 1], np.int64)
-    rates, word = cp.zeros(4, np.float64), cp.asarray(np.array([0, 0, 1], np.uint32))
+    rates, word = cp.zeros(4, np.float64), cp.asarray(np.array([0, 0, 1, 0], np.uint32))  # SLAMB_WORDS
     s_u, lr, sqrt_p, lo, hi = 0.5, 0.1, 2.0, 0.01, 10.0
     args = (cp.asarray(part.ravel()), cp.asarray(tt0), cp.asarray(ntt), np.int64(2), np.float64(s_u), np.float64(lr),
             cp.zeros(2, np.float64), np.int32(0), np.float64(sqrt_p), np.float64(lo), np.float64(hi), rates, word,
@@ -569,14 +569,16 @@ def run_slamb(xp, mask, vdt, block=1, steps=6, shapes=SHAPES, schedule=None):
 @pytest.mark.parametrize("mask,block", [("cyclic", 1), ("cyclic", 64), ("bernoulli", 1)])
 def test_slamb_ratio_schedule_equal_on_both_paths_without_more_host_reads(strict, mask, block):
     """A ratio change mid-cycle: the device derives the freshness from both masks as the host
-    does, and a step still reads the host once."""
+    does, and a step reads the host no more than before the change (the device kernels: no read; the
+    others: once)."""
     sched = {1: 0.5, 4: 0.2, 6: 0.1, 9: 0.25}
     a, oa = run_slamb(np, mask, "float32", block, steps=12, schedule=sched)
     b, ob = run_slamb(strict, mask, "float32", block, steps=8, schedule=sched)
     x = arrays(strict, 0, SHAPES)
     counts = [_count(lambda t=t: (ob.set_ratio(sched[t]) if t in sched else None, ob.step(x, arrays(strict, 50 + t, SHAPES))))
               for t in range(9, 13)]
-    assert counts == [1] * 4, counts  # the change's 3-word agreement moves host arrays: no device read
+    # the change's 3-word agreement moves host arrays, and settles the last step: no device read
+    assert counts == [0 if (mask, block) == ("cyclic", 1) else 1] * 4, counts
     np.testing.assert_allclose(host(ob.m), host(oa.m), rtol=1e-6, atol=1e-9)
     np.testing.assert_array_equal(ob.freshness(), oa.freshness())
 
@@ -713,8 +715,9 @@ def test_slamb_step_reads_the_host_at_most_twice_whatever_the_tensor_count(stric
     comm = sc.Communicator(None, x, ratio=0.1, mask=mask, seed=1, dense_threshold=100)
     opt = SlambRule(comm, lr=0.01, weight_decay=0.01)
     counts = [_count(lambda t=t: opt.step(x, arrays(cp, 10 + t, shapes))) for t in range(1, 4)]
-    # one read: the exchange's status word; the topk mask reads its union's sizes once more
-    assert counts == [1 if mask != "topk" else 2] * 3, (counts, dict(strict_cupy.syncs))
+    # the cyclic mask's device kernels decide a non-finite step on the device: no read (issue 43);
+    # the others, tensor by tensor, read the exchange's status word; the topk mask its union's sizes too
+    assert counts == [{"cyclic": 0, "bernoulli": 1, "topk": 2}[mask]] * 3, (counts, dict(strict_cupy.syncs))
 
 
 @pytest.mark.parametrize("tensors", [1, 100])

@@ -19,11 +19,20 @@ provides them:
   keeps no gradient buffer. The copy is unavoidable only where the kernels cannot read a
   gradient as it is: a 16-bit gradient (bfloat16/float16 parameters: the kernels read the
   bucket's float32) and a non-contiguous one; those are converted, in one ``_foreach_copy_``, into
-  buffers kept for them alone. The host work per step is two passes over the parameter list at
-  C level (``p.grad`` and ``data_ptr``); the checks of each gradient run only when a gradient
-  tensor is new (``zero_grad()``'s default ``set_to_none=True`` makes new ones every step;
-  their addresses usually repeat, and the core copies its table of addresses to the device only
-  when they do not).
+  buffers kept for them alone.
+
+**Host work per step**: a constant number of Python calls whatever the number of tensors, and a
+few C-level passes over them (``map`` over ``operator.attrgetter`` and tensor methods, tuple
+comparisons: no Python frame per tensor). :meth:`load` compares the viewed parameters' addresses
+with those recorded (``p.data = ...`` changes them; a parameter's shape and dtype are the
+optimizer's check, :meth:`~.params.Engine.layout_problem`). :meth:`ready` and :meth:`gradients`
+take every ``p.grad`` -- the same tensors each step (written in place, DDP's bucket views) or new
+ones (``zero_grad()``'s default ``set_to_none=True``) alike -- and compare each one's shape, dtype
+and contiguity with what the last full check of the gradients saw; only a difference (the first
+step, a 16-bit or non-contiguous gradient appearing) runs the per-gradient checks in Python. Then
+their addresses are read: new tensors usually reuse the last ones' addresses (torch's allocators
+recycle them), and the core copies its table of addresses to the device only when they do not.
+No gradient tensor is kept past the step, so ``zero_grad()`` frees them as with any optimizer.
 
 A step where some parameter has no gradient, or a sparse one, goes tensor by tensor instead
 (:meth:`ready`). Caveat of views, as with any flat-parameter scheme: ``torch.save`` of one
@@ -31,6 +40,7 @@ parameter alone saves its storage, the whole bucket (``model.state_dict()`` save
 once, shared by its parameters).
 """
 
+import itertools
 import operator
 
 import torch
@@ -51,6 +61,12 @@ def wants_flat(fused, device):
     return bool(fused)
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_LAYOUT = operator.attrgetter("layout")
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+
+
 class Flat:
     """Engine ``e``'s parameters as one flat tensor of ``e.dtype``, laid out as ``e.comm.layout``,
     and its gradients as device addresses (see the module docstring)."""
@@ -69,23 +85,45 @@ class Flat:
             ps[i].data = self.xv[i]
         keep = set(self.viewed)
         self.copied = [i for i in range(len(ps)) if i not in keep]
-        self._ptrs = [self.xv[i].data_ptr() for i in self.viewed]
+        self._record_parameters()
         self.array = _arr.as_array(self.x)
-        self._grads = None  # the gradient tensors of the last step, and what was made of them
+        self._meta = None  # what the last full check of the gradients saw (_meta_of); no tensor is kept
         self._converted = {}  # parameter index -> the buffer its gradient is converted into
-        self._owners = ()
 
-    def ready(self):
-        """Whether every parameter has a dense gradient (else the step goes tensor by tensor)."""
-        return all(p.grad is not None and p.grad.layout == torch.strided for p in self.params)
+    def _record_parameters(self):
+        """Record the viewed parameters and their addresses, and the copied ones with their slices."""
+        self._viewed = tuple(self.params[i] for i in self.viewed)
+        self._ptrs = tuple(map(_DATA_PTR, self._viewed))
+        self._copied = [self.params[i] for i in self.copied]
+        self._copied_xv = [self.xv[i] for i in self.copied]
+
+    def _read(self, grads):
+        """``grads`` as a tuple, or every ``p.grad`` now (C level)."""
+        return tuple(map(operator.attrgetter("grad"), self.params)) if grads is None else tuple(grads)
+
+    def ready(self, grads=None):
+        """Whether every parameter has a dense gradient (else the step goes tensor by tensor).
+        ``grads``: every ``p.grad`` now, read here if not given."""
+        grads = self._read(grads)
+        return (all(map(operator.is_not, grads, itertools.repeat(None)))
+                and all(map(operator.is_, map(_LAYOUT, grads), itertools.repeat(torch.strided))))
 
     @torch.no_grad()
     def load(self):
         """Before a step: re-adopt parameters whose ``.data`` was replaced, copy the copied
         parameters in. Returns the flat parameters (the core's array)."""
+        if tuple(map(_DATA_PTR, self._viewed)) != self._ptrs:
+            self._readopt()
+        if self.copied:
+            torch._foreach_copy_(self._copied_xv, self._copied)
+        return self.array
+
+    def _readopt(self):
+        """Viewed parameters whose ``.data`` was replaced since (same shape: the optimizer checked it):
+        adopted again (values copied in, ``.data`` pointed back), or copied from now on."""
         ps = self.params
         moved = [i for i, ptr in zip(self.viewed, self._ptrs) if ps[i].data_ptr() != ptr]
-        for i in moved:  # p.data was replaced since (same shape: param_changed checked it)
+        for i in moved:
             p = ps[i]
             if p.device != self.x.device:
                 raise LayoutError(f"parameter {i} of this bucket moved from {self.x.device} to {p.device} after the "
@@ -94,30 +132,37 @@ class Flat:
                 self.xv[i].copy_(p.detach())
                 p.data = self.xv[i]  # adopted again
             else:  # another dtype (e.g. model.half()) or memory format: copied in and out from now on
-                k = self.viewed.index(i)
-                del self.viewed[k], self._ptrs[k]
+                self.viewed.remove(i)
                 self.copied.append(i)
-        if moved:
-            self._ptrs = [self.xv[i].data_ptr() for i in self.viewed]
-        if self.copied:
-            torch._foreach_copy_([self.xv[i] for i in self.copied], [ps[i].detach() for i in self.copied])
-        return self.array
+        self._record_parameters()
 
     @torch.no_grad()
     def gradients(self, grads=None):
         """The gradients (``grads``, default every ``p.grad``) as :class:`~slamb_comm.device.Addresses`,
         read where they are; a gradient the kernels cannot read as it is (another dtype, or not
-        contiguous) is converted into a buffer kept for it. Needs :meth:`ready`."""
-        grads = [p.grad for p in self.params] if grads is None else list(grads)
-        if self._grads is None or len(grads) != len(self._grads) or not all(map(operator.is_, grads, self._grads)):
+        contiguous) is converted into a buffer kept for it. Needs :meth:`ready`. Nothing keeps the
+        gradient tensors after the step (``zero_grad()`` frees them, as with any optimizer)."""
+        grads = self._read(grads)
+        if self._meta_of(grads) != self._meta:
             self._adopt(grads)
-        if self._converted:
-            idx = list(self._converted)
-            torch._foreach_copy_([self._converted[i] for i in idx], [grads[i] for i in idx])
-        return Addresses(tuple(map(torch.Tensor.data_ptr, self._owners)), self._owners)
+        if not self._converted:
+            return Addresses(tuple(map(_DATA_PTR, grads)), grads)
+        idx = list(self._converted)
+        torch._foreach_copy_([self._converted[i] for i in idx], [grads[i] for i in idx])
+        owners = list(grads)
+        for i in idx:
+            owners[i] = self._converted[i]
+        return Addresses(tuple(map(_DATA_PTR, owners)), tuple(owners))
+
+    @staticmethod
+    def _meta_of(grads):
+        """What decides how the gradients are read: each one's shape and dtype, and its contiguity
+        (its device is its parameter's: torch checks it when ``p.grad`` is set, and :meth:`load`
+        sees a parameter moved)."""
+        return tuple(map(_SHAPE_DTYPE, grads)), tuple(map(_IS_CONTIGUOUS, grads))
 
     def _adopt(self, grads):
-        """New gradient tensors: check each, and keep a conversion buffer for those that need one."""
+        """Gradients unlike the last ones: check each, and keep a conversion buffer for those that need one."""
         device = self.x.device
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g.device != device or g.shape != p.shape:
@@ -126,11 +171,10 @@ class Flat:
         need = {i for i, g in enumerate(grads) if g.dtype != self.dtype or not g.is_contiguous()}
         self._converted = {i: self._converted.get(i) if self._converted.get(i) is not None
                            else torch.empty(self.params[i].shape, dtype=self.dtype, device=device) for i in need}
-        self._grads = grads
-        self._owners = tuple(self._converted.get(i, g) for i, g in enumerate(grads))
+        self._meta = self._meta_of(grads)
 
     @torch.no_grad()
     def store(self):
         """After a step: the copied parameters take their new values (cast to their dtype)."""
         if self.copied:
-            torch._foreach_copy_([self.params[i].data for i in self.copied], [self.xv[i] for i in self.copied])
+            torch._foreach_copy_([p.data for p in self._copied], self._copied_xv)

@@ -5,7 +5,9 @@ the bucketing of parameters into (device, dtype, options, step) engines, the tor
 state (live views into the core's fused buffers), and its exact import and export.
 """
 
+import itertools
 import logging
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +22,7 @@ from slamb_comm.transports import LocalTransport
 
 from .flat import Flat, wants_flat
 from .options import check_group, knobs_of, layout_knobs
-from .params import Engine, EngineKey, param_changed, run_closure, saved_state_by_param
+from .params import Engine, EngineKey, any_gradient, gradients_of, run_closure, saved_state_by_param
 from .tensors import Grads, Params, as_compute, cuda_scope, is_dtensor, state_dtype, tensor_of
 
 __all__ = ["SLAMB", "SAdamW"]
@@ -28,15 +30,30 @@ __all__ = ["SLAMB", "SAdamW"]
 _log = logging.getLogger("slamb_comm")
 
 
+_EXP_AVG = operator.methodcaller("get", "exp_avg")
+_STEP = operator.methodcaller("get", "step")
+
+
 @dataclass(frozen=True)
 class Published:
     """What an engine's torch state was last pointed at (:meth:`SLAMB._publish`)."""
 
     sign: tuple  # the mask's seed, its schedule, which tensors store their freshness
-    exp_avgs: list  # the torch state's exp_avg views
+    state: object  # the optimizer's ``state`` mapping written into
+    entries: tuple  # each parameter's state dict, as written
+    exp_avgs: tuple  # the torch state's exp_avg views
+    step: torch.Tensor  # the bucket's step count, one tensor that every parameter's state holds
     m: object  # the core's m and v the views are of
     v: object
     t: int  # the step count written
+
+    def holds(self, state):
+        """Whether ``state`` (the optimizer's) still holds what was written: the same mapping, and
+        in each written dict the same ``exp_avg`` and ``step`` tensors (C-level passes, no Python
+        call per parameter). A dict put in place of a parameter's whole state (``opt.state[p] =
+        ...``) is not seen here; torch's ``load_state_dict``, the way to replace state, is."""
+        return (state is self.state and all(map(operator.is_, map(_EXP_AVG, self.entries), self.exp_avgs))
+                and all(map(operator.is_, map(_STEP, self.entries), itertools.repeat(self.step))))
 
 
 def _schedule(e):
@@ -47,6 +64,19 @@ def _schedule(e):
     if "schedule" not in mask.state_dict():
         return None
     return [[m.num_chunks, m.origin] for m in mask.levels()]
+
+
+def _stored(rule, n):
+    """Which of the ``n`` tensors of ``rule`` store their freshness (a live view is published):
+    every one or none with the bernoulli and topk masks, none with the cyclic mask unless a tensor
+    once skipped a step (then per tensor: the only case that asks each tensor)."""
+    if not n:
+        return ()
+    if not rule.derived:
+        return ("all", rule.stored_freshness(0) is not None)
+    if not rule.has_stored_freshness:
+        return ()
+    return tuple(rule.stored_freshness(i) is not None for i in range(n))
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -113,7 +143,8 @@ class SLAMB(torch.optim.Optimizer):
 
     State: per parameter ``exp_avg`` (m), ``exp_avg_sq`` (v), ``freshness`` (f) -- float32
     views (float64 for float64 parameters) into SLAMB's fused buffers, live between
-    steps -- ``step`` (a float32 tensor) and ``mask_seed`` (an int64 tensor, so that a
+    steps -- ``step`` (a float32 tensor: one per bucket, which the state of each of its parameters
+    holds, so that a step moves it with one write) and ``mask_seed`` (an int64 tensor, so that a
     broadcast reaches it in place). ``state_dict()`` and ``load_state_dict()`` round-trip
     exactly, so a run resumed from every rank's own state is bitwise the run that was
     interrupted. The state exists from construction on (zeros, freshness 1, step 0), so
@@ -304,22 +335,23 @@ class SLAMB(torch.optim.Optimizer):
     def _publish(self, e):
         """Point each parameter's torch state at the fused buffers (no copy). The freshness is a
         live view where it is stored; for the cyclic mask it is derived, and appears only in
-        :meth:`state_dict`."""
-        r, lay = e.rule, e.comm.layout
+        :meth:`state_dict`. The bucket's step count is one tensor, held by every parameter's state
+        (``state_dict()`` shows it per parameter; ``torch.save`` stores it once): a step moves it
+        with one in-place write, where nothing else changed (a constant number of Python calls)."""
+        r = e.rule
         sched = _schedule(e)
-        stored = tuple(r.stored_freshness(i) is not None for i in range(len(e.params)))
-        sign = (int(e.comm.seed), None if sched is None else tuple(map(tuple, sched)), stored)
+        sign = (int(e.comm.seed), None if sched is None else tuple(map(tuple, sched)), _stored(r, len(e.params)))
         done = e.published
-        if (done is not None and done.sign == sign and done.m is r.m and done.v is r.v
-                and all(self.state[p].get("exp_avg") is v for p, v in zip(e.params, done.exp_avgs))):
-            steps = [self.state[p]["step"] for p in e.params]
-            if done.t != r.t:  # the same views and options: only the step count moved (in place, as torch
-                torch._foreach_add_(steps, float(r.t - done.t))  # does: one multi-tensor add)
-            e.published = replace(done, t=r.t)
+        if done is not None and done.sign == sign and done.m is r.m and done.v is r.v and done.holds(self.state):
+            if done.t != r.t:  # the same views and options: only the step count moved (in place, as torch does)
+                done.step.fill_(float(r.t))
+                e.published = replace(done, t=r.t)
             return
+        lay = e.comm.layout
+        step = torch.tensor(float(r.t))
         for i, (p, (o, n), shape) in enumerate(zip(e.params, lay.segments(), lay.shapes)):
             st = self.state[p]
-            st["step"] = torch.tensor(float(r.t))
+            st["step"] = step
             st["exp_avg"] = tensor_of(r.m[o:o + n]).view(shape)
             st["exp_avg_sq"] = tensor_of(r.v[o:o + n]).view(shape)
             f = r.stored_freshness(i)
@@ -333,12 +365,14 @@ class SLAMB(torch.optim.Optimizer):
                 st.pop("mask_schedule", None)
             else:  # the cyclic mask's ratio changes that still decide its freshness: [(chunks, step)]
                 st["mask_schedule"] = torch.tensor(sched, dtype=torch.int64)
-        e.published = Published(sign, [self.state[p]["exp_avg"] for p in e.params], r.m, r.v, r.t)
+        entries = tuple(self.state[p] for p in e.params)
+        e.published = Published(sign, self.state, entries, tuple(map(_EXP_AVG, entries)), step, r.m, r.v, r.t)
 
     def state_dict(self):
         """torch's ``state_dict()``, plus each parameter's ``freshness`` where it is derived (the
         cyclic mask): a float32 CPU tensor built here, so a checkpoint shows every element's
         freshness; it is not needed to resume."""
+        self._settle()
         sd = super().state_dict()
         index = {}
         for g in self.param_groups:
@@ -359,10 +393,9 @@ class SLAMB(torch.optim.Optimizer):
         live views). Also refresh the options read from the groups."""
         st = self.state[e.params[0]]
         t, seed = int(float(st["step"])), int(st["mask_seed"])
-        same_views = st["exp_avg"].data_ptr() == tensor_of(e.rule.m[:1]).data_ptr() if e.rule.m.size else True
         sched = st.get("mask_schedule")
         same_schedule = (None if sched is None else sched.tolist()) == _schedule(e)
-        if t != e.rule.t or seed != e.comm.seed or not same_views or not same_schedule:
+        if t != e.rule.t or seed != e.comm.seed or not self._same_views(e, st) or not same_schedule:
             if self._slamb_transport is not None:  # a local load imports at once, never here
                 _log.warning(
                     "slamb_comm: SLAMB state of bucket %s was replaced from outside (a broadcast, e.g. "
@@ -372,7 +405,7 @@ class SLAMB(torch.optim.Optimizer):
                     "(slamb_comm.checkpoint) for that.", e.names[0], t)
             self._import_state(e, {p: self.state[p] for p in e.params})
             self._options_agreed = False
-        groups = list({id(g): g for g in e.groups}.values())  # each group once, not once per parameter
+        groups = e.unique_groups  # each group once, not once per parameter
         rule_k = knobs_of(groups[0]).rule
         for g in groups[1:]:
             if knobs_of(g).rule != rule_k:
@@ -388,10 +421,22 @@ class SLAMB(torch.optim.Optimizer):
         r.betas, r.eps, r.beta3, r.sync_interval = rule_k.betas, rule_k.eps, rule_k.beta3, rule_k.sync_interval
         r.c_min, r.c_max, r.on_nonfinite = rule_k.c_min, rule_k.c_max, rule_k.on_nonfinite
 
+    @staticmethod
+    def _same_views(e, st):
+        """Whether ``st`` (the first parameter's state) still holds a view of bucket ``e``'s m: the
+        tensor published (no conversion), else one at the same address."""
+        r, done = e.rule, e.published
+        if not r.m.size:
+            return True
+        views = st.get("exp_avg")
+        if done is not None and done.m is r.m and views is done.exp_avgs[0]:
+            return True
+        return views is not None and views.data_ptr() == tensor_of(r.m[:1]).data_ptr()
+
     def _requested_ratio(self, e):
         """The ratio the bucket's parameter groups ask for now (a schedule may have changed it);
         ConfigError if groups that share the bucket disagree."""
-        asked = {check_ratio(g["ratio"]) for g in e.groups}
+        asked = {check_ratio(g["ratio"]) for g in e.unique_groups}
         if len(asked) != 1:
             raise ConfigError(f"parameter groups that share a SLAMB bucket ask for different ratios {sorted(asked)}; "
                               "change the ratio of every group of the bucket at once")
@@ -415,7 +460,11 @@ class SLAMB(torch.optim.Optimizer):
         self._publish(e)
 
     def _lr_wd(self, e):
-        return [float(g["lr"]) for g in e.groups], [float(g["weight_decay"]) for g in e.groups]
+        """Bucket ``e``'s learning rate and weight decay now: a float each where its groups agree,
+        else one per tensor (read per group, spread at C level)."""
+        lr = [float(g["lr"]) for g in e.unique_groups]
+        wd = [float(g["weight_decay"]) for g in e.unique_groups]
+        return tuple(v[0] if len(set(v)) == 1 else list(map(v.__getitem__, e.group_of)) for v in (lr, wd))
 
     def _grad_array(self, p, e):
         if p.grad is None:
@@ -428,31 +477,31 @@ class SLAMB(torch.optim.Optimizer):
     def step(self, closure=None):
         """One SLAMB step of every parameter (in a single process: P = 1)."""
         loss = run_closure(closure)
-        engines = self._ensure_engines()
-        for e in engines:  # before any bucket steps: a changed parameter changes nothing
-            for i, p in enumerate(e.params):
-                problem = param_changed(p, e.names[i], e.comm.layout.shapes[i], e.dtype)
-                if problem is not None:
-                    raise problem
-        for e in engines:
-            if all(p.grad is None for p in e.params):
+        engines = self._settle()
+        grads = [gradients_of(e.params) for e in engines]  # every p.grad, read once (C level)
+        for e, g in zip(engines, grads):  # before any bucket steps: a changed parameter changes nothing
+            problem = e.layout_problem(g)
+            if problem is not None:
+                raise problem
+        for e, g in zip(engines, grads):
+            if not any_gradient(g):
                 continue
             self._pull(e)
             if self._requested_ratio(e) != e.comm.ratio:  # a ratio schedule: from this step on
                 self._set_ratio(e)
             lr, wd = self._lr_wd(e)
-            if e.flat is not None and e.flat.ready():  # flat parameters, gradients where they are
+            if e.flat is not None and e.flat.ready(g):  # flat parameters, gradients where they are
                 with cuda_scope(e.params[0].device):
-                    e.rule.step(e.flat.load(), e.flat.gradients(), lr=lr, weight_decay=wd)
+                    e.rule.step(e.flat.load(), e.flat.gradients(g), lr=lr, weight_decay=wd)
                 e.flat.store()
             else:
-                x, g = Params(e), Grads(e)
+                x, gs = Params(e), Grads(e)
                 written = x.written
-                skip = {i for i, p in enumerate(e.params) if p.grad is None}  # left exactly as they are
+                skip = {i for i, gi in enumerate(g) if gi is None}  # left exactly as they are
                 if e.rule.fused:  # FSDP2's pieces on a device: the kernels take lists of arrays
-                    x, g = [x[i] for i in range(len(x))], [g[i] for i in range(len(g))]
+                    x, gs = [x[i] for i in range(len(x))], [gs[i] for i in range(len(gs))]
                 with cuda_scope(e.params[0].device):
-                    e.rule.step(x, g, lr=lr, weight_decay=wd, written=written, skip=skip)
+                    e.rule.step(x, gs, lr=lr, weight_decay=wd, written=written, skip=skip)
             self._publish(e)
         return loss
 
@@ -480,12 +529,23 @@ class SLAMB(torch.optim.Optimizer):
     # ------------------------------------------------------------------ statistics
     def steps_taken(self):
         """The steps its buckets have taken so far (the most of any bucket; 0 for a new optimizer)."""
-        return max((e.rule.t for e in self._ensure_engines()), default=0)
+        return max((e.rule.t for e in self._settle()), default=0)
 
     @property
     def skipped_steps(self):
         """Steps skipped (on every rank alike) for non-finite gradients, with ``on_nonfinite='skip'``."""
-        return max((e.rule.skipped_steps for e in self._ensure_engines()), default=0)
+        return max((e.rule.skipped_steps for e in self._settle()), default=0)
+
+    def _settle(self):
+        """The buckets, each told whether its last step, decided on the device (CUDA buckets: no host
+        read in a step), was skipped there, and its torch state's step count put right if it was
+        (:meth:`slamb_comm.methods.slamb.SlambRule.settle`: a read of one word the device wrote back,
+        which waits only if the GPU has not reached that step's exchange yet)."""
+        engines = self._ensure_engines()
+        for e in engines:
+            if e.rule.settle():
+                self._publish(e)
+        return engines
 
     @property
     def communicators(self):

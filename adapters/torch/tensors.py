@@ -73,7 +73,7 @@ def cuda_scope(device):
     synchronisation. A no-op context for CPU tensors."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    import cupy
+    cupy = _arr.import_cupy(f"a parameter on {device}")  # names the extra to install where CuPy is missing
 
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()))
