@@ -45,8 +45,8 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 import transformers
 
-from slamb_comm.codecs import TopK
-from slamb_comm.stats import Traffic
+from slamb_comm.wire.codecs import TopK
+from slamb_comm.wire.stats import Traffic
 
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SAdamW, SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .torch.averaging import averaged_state_dict, traffic_metrics

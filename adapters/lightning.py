@@ -53,7 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from slamb_comm.codecs import TopK
+from slamb_comm.wire.codecs import TopK
 
 from .torch import (SLAMB, DistributedOptimizer, HybridSLAMB, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook,
                     topk_hook)

@@ -11,7 +11,7 @@ exchange:
   steps, its measured time amortised over H;
 
 and with ``--optimizer``: ``dense`` then runs a NumPy LAMB update on the mean gradient
-and ``slamb`` runs ``slamb_comm.slamb.SlambRule.step`` (moments, masked allreduce, trust
+and ``slamb`` runs ``slamb_comm.methods.slamb.SlambRule.step`` (moments, masked allreduce, trust
 ratios, update, sync), so a step is compute + optimizer + communication.
 
 ``bench`` runs the loop with each method for every node count and link rate (CSV, PNG and
@@ -64,7 +64,7 @@ def loop_main(args):
         comm = sc.Communicator(transport, layout, ratio=1.0, seed=3)
     opt = None
     if args.optimizer and args.method == "slamb":
-        from slamb_comm.slamb import SlambRule
+        from slamb_comm.methods.slamb import SlambRule
 
         opt = SlambRule(comm, lr=0.01, weight_decay=0.01, beta3=0.9, sync_interval=args.sync_interval)
     lamb = _Lamb(layout, np) if args.optimizer and args.method != "slamb" else None

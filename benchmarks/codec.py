@@ -6,7 +6,7 @@ so nothing of the data is left in the last-level cache), median and [p25, p75] o
 ``--repeats`` repetitions after one warm-up:
 
 * **top-k selection** of the k largest magnitudes of n float32 values, exact:
-  ``slamb_comm.codecs.topk_indices`` against ``torch.topk(x.abs(), k)`` (if torch is
+  ``slamb_comm.wire.codecs.topk_indices`` against ``torch.topk(x.abs(), k)`` (if torch is
   installed), ``np.argpartition(|x|, n - k)`` (not sorted, not tie-stable) and the stable
   sort reference ``topk_indices_reference``. The fast one is checked equal to the reference
   on every input before it is timed. Reported: GB/s read (4 n / time) and the ratio to torch.
@@ -40,8 +40,8 @@ import numpy as np
 
 from csvout import write_rows
 from slamb_comm.arrays import cast_into
-from slamb_comm.codecs import Layout, topk_indices, topk_indices_reference
-from slamb_comm.masks import CyclicMask
+from slamb_comm.wire.codecs import Layout, topk_indices, topk_indices_reference
+from slamb_comm.wire.masks import CyclicMask
 
 try:
     import torch

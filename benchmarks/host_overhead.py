@@ -8,7 +8,7 @@ replaced ``.grad``), reads the gradients' addresses and points the torch state a
 buffers. This times that host work
 without a GPU: ``SLAMB(fused=True)`` runs its GPU code path on the strict CuPy double
 (tests/strict_cupy.py, the parameters shared with torch), and the time spent inside the kernels,
-which the double executes on the CPU, is measured and taken out (``slamb_comm.kernels.launch``
+which the double executes on the CPU, is measured and taken out (``slamb_comm.device.kernels.launch``
 timed around each call). The baseline is ``torch.optim.AdamW(fused=True)`` on the same CPU
 tensors, whose own host work (its lists of tensors, one ``_fused_adamw_`` call) is also per tensor.
 
@@ -51,10 +51,10 @@ def params(n, elements, seed):
 
 
 class KernelClock:
-    """Seconds spent inside ``slamb_comm.kernels.launch`` (the double runs the kernels on the CPU)."""
+    """Seconds spent inside ``slamb_comm.device.kernels.launch`` (the double runs the kernels on the CPU)."""
 
     def __init__(self):
-        import slamb_comm.kernels as k
+        import slamb_comm.device.kernels as k
 
         self.k, self.original, self.seconds = k, k.launch, 0.0
 

@@ -12,7 +12,7 @@ The double is installed as ``cupy``, so the core takes exactly the code paths it
 GPU. Its docstring defines how each operation is charged: one launch per call of anything that
 would launch a kernel (several where CuPy really runs several: CUB's sorts and scans,
 ``add.reduceat``), the bytes each operation reads and writes in device memory at its real cost,
-and the transient buffers it allocates; the device kernels of ``slamb_comm/kernels.py`` run
+and the transient buffers it allocates; the device kernels of ``slamb_comm/device/kernels.py`` run
 (compiled for the host) as one launch each with the bytes they declare. Nothing is timed.
 
 Layouts: 6,553,600 float32 elements (``--scale`` multiplies this) in 10 tensors of 655,360,
@@ -24,7 +24,7 @@ would be always dense (exchanged whole) and the three layouts would not do the s
 Measured, each on the step after ``--warmup`` steps of the same kind (allocations and the
 first step's one-time work are not counted):
 
-* ``slamb``: one :meth:`slamb_comm.slamb.SlambRule.step` (ratio 0.1, cyclic mask, lr 1e-3, weight
+* ``slamb``: one :meth:`slamb_comm.methods.slamb.SlambRule.step` (ratio 0.1, cyclic mask, lr 1e-3, weight
   decay 0.01, payload ``--dtypes``), with the default ``sync_interval`` (100: a step without
   the periodic parameter sync) and with ``sync_interval=1`` (every step a sync step), on one
   fused buffer (``fused``) and on one array per tensor (``list``); and on a fused buffer in the
@@ -172,7 +172,7 @@ def run_slamb(data, vdt, ranks, H, warmup, dense_threshold, form="fused", when="
     (after the mask's first cycle), 'first cycle' (the fourth step), 'ratio change' (the second
     step after a change of the ratio from 0.1 to 0.2)."""
     import slamb_comm as sc
-    from slamb_comm.slamb import SlambRule
+    from slamb_comm.methods.slamb import SlambRule
 
     cp = sys.modules["cupy"]
     gc.collect()

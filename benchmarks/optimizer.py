@@ -9,13 +9,13 @@ Arms (each on the same parameters and gradients, one thread on the CPU):
 * ``adamw-foreach``: ``torch.optim.AdamW(foreach=True)`` (the baseline of the ratios);
 * ``adamw``: ``torch.optim.AdamW(foreach=False)``, torch's default on the CPU;
 * ``adamw-fused``: ``torch.optim.AdamW(fused=True)`` (the baseline on a GPU);
-* ``slamb-core``: :class:`slamb_comm.slamb.SlambRule` on NumPy (CuPy on a GPU) views of the
+* ``slamb-core``: :class:`slamb_comm.methods.slamb.SlambRule` on NumPy (CuPy on a GPU) views of the
   same tensors, one process, cyclic mask, k = 0.1, the default float32 payload;
 * ``slamb-adapter``: ``slamb_comm.adapters.torch.SLAMB`` (the torch optimizer), same options;
 * ``slamb-core-fp16``: ``slamb-core`` with the float16 payload (on the CPU NumPy converts
   float16 in software, about 3 ns per element each way, so this arm shows that cost);
 * ``slamb-core-p2``, ``onebit-core-p2`` (memory only, not in the default arms): the SLAMB
-  rule and the 1-bit LAMB rule (:class:`slamb_comm.onebit_lamb.OneBitLambRule`, ``freeze_step=1``:
+  rule and the 1-bit LAMB rule (:class:`slamb_comm.methods.onebit_lamb.OneBitLambRule`, ``freeze_step=1``:
   one dense step, then the 1-bit exchange) on 2 MPI ranks (``scripts/mpirun.sh 2``), where
   the exchanges really run; rank 0's peak is reported.
 
@@ -93,8 +93,8 @@ def build_arm(arm, params):
         return opt.step
     if arm in ("slamb-core", "slamb-core-fp16", "slamb-core-p2", "onebit-core-p2"):
         import slamb_comm as sc
-        from slamb_comm.onebit_lamb import OneBitLambRule
-        from slamb_comm.slamb import SlambRule
+        from slamb_comm.methods.onebit_lamb import OneBitLambRule
+        from slamb_comm.methods.slamb import SlambRule
 
         x = [sc.arrays.as_array(p.detach()) for p in params]
         g = [sc.arrays.as_array(p.grad) for p in params]

@@ -234,7 +234,7 @@ def main(argv=None):
 
                 lat, _ = runner.run(fn)
                 pay = n * np.dtype(vd).itemsize
-                size_rows.append(record(n, "mpi", 1.0, vd, lat, pay, sc.stats.allreduce_wire(pay, P), extra=extra))
+                size_rows.append(record(n, "mpi", 1.0, vd, lat, pay, sc.wire.stats.allreduce_wire(pay, P), extra=extra))
                 del buf, work
 
         # ---- dense Horovod, fp32 and fp16 compression
@@ -251,7 +251,7 @@ def main(argv=None):
             lat, _ = runner.run(fn)
             pay = n * (2 if m == "hvd_fp16" else 4)
             size_rows.append(record(n, m, 1.0, "float16" if m == "hvd_fp16" else "float32", lat, pay,
-                                    sc.stats.allreduce_wire(pay, P), extra=extra))
+                                    sc.wire.stats.allreduce_wire(pay, P), extra=extra))
 
         # ---- the core's masked allreduce and top-k allgather
         for m in ("masked", "topk"):

@@ -5,7 +5,7 @@
 The language model of ``examples/train_lm.py`` (its defaults: 600 steps, 16 sequences per
 rank), for each method and seed:
 
-* **4 ranks, uninterrupted**, saving every rank's state with ``slamb_comm.checkpoint`` at
+* **4 ranks, uninterrupted**, saving every rank's state with ``slamb_comm.methods.checkpoint`` at
   ``--at`` (step 300);
 * **4 -> 2**: that checkpoint resumed on 2 ranks (resized by docs/algorithm.md section 10's
   rule) and trained to the end;

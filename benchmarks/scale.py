@@ -334,7 +334,7 @@ def _yes(b):
 
 def report(args, n, tensors, dense_fp32, mem_total, mem_avail, steps, mems, size, H, can_reset, load):
     rows = []
-    dense_wire = slamb_comm.stats.allreduce_wire(dense_fp32, size)
+    dense_wire = slamb_comm.wire.stats.allreduce_wire(dense_fp32, size)
     print()
     print("## Bytes by kind per step (rank 0; payload = bytes handed to the collective)")
     print()

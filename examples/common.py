@@ -148,10 +148,10 @@ def add_training_args(ap, steps, lr):
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--save-at", type=int, default=None,
-                    help="after this step, save every rank's model and optimizer state with slamb_comm.checkpoint "
+                    help="after this step, save every rank's model and optimizer state with slamb_comm.methods.checkpoint "
                          "into --checkpoint-dir (and train on)")
     ap.add_argument("--resume", action="store_true",
-                    help="start from the slamb_comm.checkpoint in --checkpoint-dir, on any number of ranks: saved by "
+                    help="start from the slamb_comm.methods.checkpoint in --checkpoint-dir, on any number of ranks: saved by "
                          "another number, it is resized by docs/algorithm.md section 10's rule")
     ap.add_argument("--checkpoint-dir", default=None, help="directory of --save-at / --resume")
 
@@ -219,7 +219,7 @@ def build_optimizer(args, model):
     if args.optimizer != "lamb":
         opt = hvd.DistributedOptimizer(base, named_parameters=named)
     dense = sum(p.numel() * 4 for p in params)
-    wire = slamb_comm.stats.allreduce_wire(dense, hvd.size())
+    wire = slamb_comm.wire.stats.allreduce_wire(dense, hvd.size())
     return opt, lambda: slamb_comm.Traffic(calls=1, payload_bytes=dense, wire_bytes=wire, dense_payload_bytes=dense,
                                            dense_wire_bytes=wire)
 
@@ -248,7 +248,7 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
     import horovod.torch as hvd
     import torch
 
-    from slamb_comm import checkpoint
+    from slamb_comm.methods import checkpoint
     from slamb_comm.adapters.horovod import HorovodTransport
 
     torch.set_num_threads(args.threads)

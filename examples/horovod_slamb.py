@@ -20,7 +20,7 @@ a crash never leaves half a checkpoint); with ``--resume`` rank 0 alone loads it
 ``hvd.broadcast_parameters`` / ``hvd.broadcast_optimizer_state`` hand rank 0's parameters
 and optimizer state to every rank, and ``hvd.broadcast_object`` the step to go on from.
 (With SLAMB, every rank then continues from rank 0's moments: a valid run, not bitwise the
-interrupted one, and the other ranks log a warning saying so; slamb_comm.checkpoint saves
+interrupted one, and the other ranks log a warning saying so; slamb_comm.methods.checkpoint saves
 and loads every rank's own state for a bitwise resume.)
 
 A small MLP regresses a fixed random teacher network on synthetic data (each rank draws

@@ -4,7 +4,7 @@
 
 Every rank holds a replica of the model in one fused float32 buffer; each step it
 computes the gradient of its own shard of the global batch and hands it to
-:class:`slamb_comm.slamb.SlambRule`, which exchanges a shared random tenth of the momentum
+:class:`slamb_comm.methods.slamb.SlambRule`, which exchanges a shared random tenth of the momentum
 (one masked allreduce), keeps the rest locally, and averages the parameters every H
 steps. Rank 0 prints loss, validation accuracy and bytes moved against dense LAMB.
 
@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 SIZES = [64, 512, 256, 10]
 

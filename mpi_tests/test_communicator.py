@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import slamb_comm as sc
 from mpi_checks import Checks, call
-from slamb_comm.masks import make_mask
+from slamb_comm.wire.masks import make_mask
 from slamb_comm.errors import (
     ConfigError,
     DTypeError,
@@ -568,7 +568,7 @@ import sys  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import strict_cupy  # noqa: E402
 from mpi_checks import device_transport  # noqa: E402
-from slamb_comm.codecs import topk_indices_reference  # noqa: E402
+from slamb_comm.wire.codecs import topk_indices_reference  # noqa: E402
 
 FUSED_SHAPES = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4)] + [(9, 11)] * 40
 

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.demo import DeMo
+from slamb_comm.methods.demo import DeMo
 
 pytestmark = pytest.mark.mpi
 

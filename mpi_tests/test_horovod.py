@@ -922,10 +922,10 @@ def test_topk_non_finite_gradient_on_one_rank_is_skipped_or_raised_everywhere(mo
 
 
 def test_checkpoint_module_resumes_the_adapter_bitwise():
-    """slamb_comm.checkpoint.save/load of every rank's model + SLAMB state through Horovod."""
+    """slamb_comm.methods.checkpoint.save/load of every rank's model + SLAMB state through Horovod."""
     import tempfile
 
-    from slamb_comm import checkpoint
+    from slamb_comm.methods import checkpoint
 
     transport = sh.HorovodTransport()
     path = np.zeros(256, np.uint8)  # rank 0's temporary directory, shared through the transport
@@ -1187,7 +1187,7 @@ def test_step_traffic_counts_one_dense_allreduce_per_step_also_on_sync_steps():
     train(model, opt, 4, after_step=lambda t: seen.append(opt.step_traffic()))
     for t, tr in enumerate(seen, start=1):
         assert tr.dense_payload_bytes == 4 * N, (t, tr)
-        assert tr.dense_wire_bytes == pytest.approx(slamb_comm.stats.allreduce_wire(4 * N, P))
+        assert tr.dense_wire_bytes == pytest.approx(slamb_comm.wire.stats.allreduce_wire(4 * N, P))
     if P > 1:  # a sync step sends the parameters (N + 1 float32 values) on top of the masked momentum
         assert seen[0].payload_bytes - seen[1].payload_bytes == 4 * (N + 1)
         assert seen[2].payload_bytes == seen[0].payload_bytes

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 
 def rss_mb():

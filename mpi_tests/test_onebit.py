@@ -1,4 +1,4 @@
-"""The 1-bit exchange (slamb_comm.onebit, docs/onebit_lamb.md section 1) and the transports'
+"""The 1-bit exchange (slamb_comm.exchange.onebit, docs/onebit_lamb.md section 1) and the transports'
 alltoall, under MPI (pytest-mpi):
 
     bash scripts/mpirun.sh 4 300 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_onebit.py
@@ -22,7 +22,7 @@ from mpi4py import MPI
 import slamb_comm as sc
 from mpi_checks import DEVICE_TRANSPORTS, Checks as _Checks, call, device_transport  # noqa: E402
 from slamb_comm.errors import LayoutError, NonFiniteError, PeerError
-from slamb_comm.onebit import OneBitExchange, padded_size
+from slamb_comm.exchange.onebit import OneBitExchange, padded_size
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import onebit_reference as ref  # noqa: E402
@@ -327,7 +327,7 @@ LAMB_OPTIONS = [dict(), dict(weight_decay=0.01, bias_correction=True, factor_thr
 
 
 def lamb_for(**kw):
-    from slamb_comm.onebit_lamb import OneBitLambRule
+    from slamb_comm.methods.onebit_lamb import OneBitLambRule
 
     comm = sc.Communicator(sc.MPITransport(), make(ME, 0), seed=3)
     return OneBitLambRule(comm, **kw)

@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from slamb_comm import MPITransport
-from slamb_comm.periodic import DesLoc, DiLoCo
-from slamb_comm.stats import allreduce_wire
+from slamb_comm.methods.periodic import DesLoc, DiLoCo
+from slamb_comm.wire.stats import allreduce_wire
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from adamw_reference import Adam  # noqa: E402

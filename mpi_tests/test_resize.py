@@ -5,7 +5,7 @@
 Sub-communicators of MPI_COMM_WORLD play the two jobs: at 4 ranks a checkpoint of 4 loads on 2
 and on 3 ranks, and one of 2 on 4; at 2 ranks, 2 -> 1 and 1 -> 2. Each test writes the rule in
 float64 from the old ranks' states (gathered before the save, not read from the files) and
-checks what ``slamb_comm.checkpoint.load`` made; the SLAMB test then trains on and compares
+checks what ``slamb_comm.methods.checkpoint.load`` made; the SLAMB test then trains on and compares
 with the dense float64 reference of section 1 at P', started from the rule's state.
 """
 
@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm import checkpoint
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods import checkpoint
+from slamb_comm.methods.slamb import SlambRule
 from slamb_reference import ReferenceSlamb
 from test_slamb import SHAPES, rank_grads, rank_params
 

@@ -12,9 +12,9 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.codecs import Layout, Shard
-from slamb_comm.masks import CyclicMask
-from slamb_comm.slamb import SlambRule
+from slamb_comm.wire.codecs import Layout, Shard
+from slamb_comm.wire.masks import CyclicMask
+from slamb_comm.methods.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
 

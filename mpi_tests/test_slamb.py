@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
 
@@ -32,7 +32,7 @@ def rank_grads(r, t, xs, dtype):
 def run(ratio, dtype=np.float64, value_dtype=None, steps=22, H=5, beta3=0.9, wd=0.01, check_every=True, block=1,
         schedule=None, fused=False):
     """``fused``: step on one fused buffer of device arrays (the strict CuPy double), so that the
-    device kernels of slamb_comm.fused run, as on a GPU."""
+    device kernels of slamb_comm.device.slamb_step run, as on a GPU."""
     if fused:
         with strict_cupy.install() as cp:
             strict_cupy.Device.current = 0
@@ -111,7 +111,7 @@ def test_ratio_schedule_matches_reference(block):
         if end - start < C:
             continue
         seen = np.zeros(lay.total, bool)
-        mask = sc.masks.make_mask("cyclic", lay, k, comm.seed, block, [(k, start - 1)])
+        mask = sc.wire.masks.make_mask("cyclic", lay, k, comm.seed, block, [(k, start - 1)])
         for t in range(start, start + C):
             seen[mask.select(t).index] = True
         assert seen.all(), (start, k)
@@ -303,7 +303,7 @@ def test_resume_is_bitwise():
 
 @pytest.mark.mpi
 def test_checkpoint_directory_resume_is_bitwise_and_atomic(tmp_path_factory):
-    from slamb_comm import checkpoint
+    from slamb_comm.methods import checkpoint
 
     world = MPI.COMM_WORLD
     me = world.rank

@@ -15,10 +15,10 @@ import pytest
 from mpi4py import MPI
 
 from slamb_comm import MPITransport
-from slamb_comm.codecs import Layout
-from slamb_comm.masks import CyclicMask
-from slamb_comm.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
-from slamb_comm.stats import allgather_wire, allreduce_wire, broadcast_wire
+from slamb_comm.wire.codecs import Layout
+from slamb_comm.wire.masks import CyclicMask
+from slamb_comm.methods.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+from slamb_comm.wire.stats import allgather_wire, allreduce_wire, broadcast_wire
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from adamw_reference import Adam  # noqa: E402

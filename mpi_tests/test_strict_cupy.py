@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 import slamb_comm as sc
 from mpi_checks import DEVICE_TRANSPORTS, device_transport
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 from slamb_reference import ReferenceSlamb
 
@@ -203,7 +203,7 @@ def test_defect3_nccl_on_its_own_stream_is_ordered_with_the_current_stream(cp):
 def test_defect5_cuda_awareness_is_asked_of_the_mpi_library(cp, monkeypatch):
     import ctypes
 
-    from slamb_comm.transports import mpi_cuda_support
+    from slamb_comm.exchange.transports import mpi_cuda_support
 
     assert isinstance(mpi_cuda_support(), bool)
     assert sc.MPITransport().cuda_aware == mpi_cuda_support()  # here: Open MPI without CUDA, False

@@ -637,12 +637,12 @@ def test_topk_parameter_without_gradient_on_every_rank_is_left_as_it_is():
 @pytest.mark.parametrize("fused", [False, True])
 def test_checkpoint_of_p_ranks_resumes_on_fewer(fused, tmp_path_factory):
     """docs/algorithm.md section 10 through the torch adapter: every rank saves its model and
-    optimizer state with slamb_comm.checkpoint; the first half of the ranks (a new process
+    optimizer state with slamb_comm.methods.checkpoint; the first half of the ranks (a new process
     group: 4 -> 2, 2 -> 1) loads it. Parameters and moments are the old ranks' means, step and
     mask seed kept; training goes on, and the new ranks agree right after the next sync."""
     from mpi4py import MPI
 
-    from slamb_comm import checkpoint
+    from slamb_comm.methods import checkpoint
 
     if P() == 1:
         pytest.skip("needs two ranks")

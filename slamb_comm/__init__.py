@@ -11,13 +11,13 @@ single process, and imports neither torch nor horovod:
 >>> comm.stats.total.calls
 2
 
-See :class:`Communicator` for the exchanges, :mod:`slamb_comm.codecs` for the codecs,
-:mod:`slamb_comm.masks` for the masks, :mod:`slamb_comm.transports` for the transports.
+See :class:`Communicator` for the exchanges, :mod:`slamb_comm.wire.codecs` for the codecs,
+:mod:`slamb_comm.wire.masks` for the masks, :mod:`slamb_comm.exchange.transports` for the transports.
 """
 
-from .codecs import Layout, TopK, k_elems, topk_indices
-from .communicator import Communicator
-from .masks import BernoulliMask, CyclicMask, TopKUnionMask
+from .wire.codecs import Layout, TopK, k_elems, topk_indices
+from .exchange.communicator import Communicator
+from .wire.masks import BernoulliMask, CyclicMask, TopKUnionMask
 from .errors import (
     ConfigError,
     DTypeError,
@@ -28,8 +28,8 @@ from .errors import (
     PeerError,
     SlambCommError,
 )
-from .stats import Stats, Traffic
-from .transports import LocalTransport, MPITransport, NCCLTransport, Transport
+from .wire.stats import Stats, Traffic
+from .exchange.transports import LocalTransport, MPITransport, NCCLTransport, Transport
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Exceptions raised by slamb_comm.
 
 Every check that could fail on one rank only is made collectively (see
-:mod:`slamb_comm.communicator`), so a bad input raises on *every* rank: the rank
+:mod:`slamb_comm.exchange.communicator`), so a bad input raises on *every* rank: the rank
 whose input was bad raises the specific error below, the others raise
 :class:`PeerError` naming it. Nothing hangs in a collective waiting for a rank that
 already gave up.

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from slamb_comm.codecs import Layout
+from slamb_comm.wire.codecs import Layout
 from slamb_comm.errors import ConfigError
-from slamb_comm.masks import CyclicMask
+from slamb_comm.wire.masks import CyclicMask
 from slamb_comm.adapters import torch as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi_tests"))

@@ -1,6 +1,6 @@
 """CUDA C kernels run on the host: the machinery behind the strict CuPy double's ``RawModule``.
 
-The kernels of :mod:`slamb_comm.kernels` are written in a dialect (its ``PRELUDE``) that the
+The kernels of :mod:`slamb_comm.device.kernels` are written in a dialect (its ``PRELUDE``) that the
 host's C++ compiler also accepts: without ``__CUDACC__`` a kernel is an ``extern "C"``
 function, ``blockIdx``/``blockDim``/``gridDim`` are globals of the library, and a block's
 threads run one after another in each ``SLAMB_FOR_THREADS`` phase. :func:`build` compiles such
@@ -167,7 +167,7 @@ class HostLibrary:
         try:
             self._dims = {n: _Dim3.in_dll(self._lib, n) for n in ("blockIdx", "blockDim", "gridDim")}
         except ValueError:
-            raise RuntimeError("host kernels need the dialect of slamb_comm.kernels.PRELUDE (its blockIdx, "
+            raise RuntimeError("host kernels need the dialect of slamb_comm.device.kernels.PRELUDE (its blockIdx, "
                                "blockDim and gridDim globals)") from None
         self._kernels = {}
 

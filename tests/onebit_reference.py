@@ -2,7 +2,7 @@
 
 Used by tests/test_onebit_local.py and mpi_tests/test_onebit.py: every rank can compute every
 rank's inputs from seeds and so the exchange's exact result, its own error buffers included.
-Written from the page, not from slamb_comm.onebit: only NumPy is used.
+Written from the page, not from slamb_comm.exchange.onebit: only NumPy is used.
 """
 
 import math

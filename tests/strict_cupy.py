@@ -19,7 +19,7 @@ inside) but behave like CuPy's where a mistake would hide on the CPU:
   the *current* device).
 * **Raw CUDA kernels run** (:class:`RawModule`, :func:`RawKernel`; the machinery is
   ``tests/host_kernels.py``): the source must be written in the dialect of
-  ``slamb_comm.kernels.PRELUDE``, which the host's C++ compiler also takes; the double
+  ``slamb_comm.device.kernels.PRELUDE``, which the host's C++ compiler also takes; the double
   compiles it with ``g++`` (cached on disk) and runs the real grid, block after block, a
   block's threads one after another in each ``SLAMB_FOR_THREADS`` phase. So CI executes the
   kernels' arithmetic. Every argument must be what CuPy would pass for the C parameter (an
@@ -1223,7 +1223,7 @@ class Bfloat16CudaTensor:
 # ---------------------------------------------------------------------------- raw CUDA kernels
 class RawModule:
     """``cupy.RawModule(code=..., options=...)`` on the host: ``code`` in the dialect of
-    ``slamb_comm.kernels.PRELUDE``, compiled by ``g++`` (``tests/host_kernels.py``); its
+    ``slamb_comm.device.kernels.PRELUDE``, compiled by ``g++`` (``tests/host_kernels.py``); its
     ``get_function(name)`` takes CuPy's launches, ``f(grid, block, args)``, and
     ``f.launch_declared(grid, block, args, reads, writes)``, which also charges the declared bytes."""
 

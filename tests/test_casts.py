@@ -17,9 +17,9 @@ import pytest
 import slamb_comm as sc
 import strict_cupy
 from slamb_comm import arrays as A
-from slamb_comm import communicator as C
-from slamb_comm.slamb import SlambRule
-from slamb_comm.transports import LocalTransport
+from slamb_comm.exchange import communicator as C
+from slamb_comm.methods.slamb import SlambRule
+from slamb_comm.exchange.transports import LocalTransport
 
 U = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
 

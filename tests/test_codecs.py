@@ -1,4 +1,4 @@
-"""Unit and property tests of slamb_comm.codecs: layout, top-k, masks, the wire layout.
+"""Unit and property tests of slamb_comm.wire.codecs: layout, top-k, masks, the wire layout.
 
 Everything is checked against docs/algorithm.md sections 1, 2 and 4, with no communication
 (LocalTransport only).
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import slamb_comm as sc
-from slamb_comm.codecs import TopKWire, check_ratio
-from slamb_comm.masks import make_mask
+from slamb_comm.wire.codecs import TopKWire, check_ratio
+from slamb_comm.wire.masks import make_mask
 from slamb_comm.errors import ConfigError, DTypeError
 
 SHAPES = [(100, 120), (50,), (30, 40), (100, 120), (7, 9, 150)]  # 12000, 50, 1200, 12000, 9450
@@ -197,7 +197,7 @@ def test_topk_indices_is_the_stable_reference(x, data):
     k = data.draw(st.integers(0, x.size))
     got = sc.topk_indices(x, k)
     assert np.array_equal(got, _reference_topk(x, k))
-    assert np.array_equal(got, sc.codecs.topk_indices_reference(x, k))
+    assert np.array_equal(got, sc.wire.codecs.topk_indices_reference(x, k))
 
 
 # Large inputs take the fast path (sampled threshold + selection in a band): it must give
@@ -367,7 +367,7 @@ class TestTopKWire:
 
 # --------------------------------------------------------------------------- the fused top-k
 # TopKWire.select picks every tensor's top-k of a fused buffer at once (on a device: the radix
-# select of slamb_comm/topk_kernels.py, no sort); decode_all adds every rank's payload with one indexed add per rank.
+# select of slamb_comm/device/topk_kernels.py, no sort); decode_all adds every rank's payload with one indexed add per rank.
 # Both must be bitwise what the per-tensor code gives: the stable reference per tensor, and the
 # payloads added tensor by tensor, rank after rank.
 _FUSED = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4), (1, 1)]
@@ -404,7 +404,7 @@ def test_select_is_the_reference_per_tensor_on_both_libraries(strict_cp, dtype, 
     lay = sc.Layout(_FUSED, dtype, dense_threshold=50)
     wire = TopKWire(lay, ratio, dtype, whole_dense=whole)
     x = _fused_case(np.random.default_rng(len(kind) + len(dtype)), lay, kind)
-    want_local = [sc.codecs.topk_indices_reference(x[o : o + n], k)
+    want_local = [sc.wire.codecs.topk_indices_reference(x[o : o + n], k)
                   for (o, n), k in zip(lay.segments(), wire.counts)]
     want_pos = np.concatenate([w + o for w, o in zip(want_local, lay.offsets)])
     want_local = np.concatenate(want_local)
@@ -470,7 +470,7 @@ def test_small_topk_is_the_reference_with_ties_infinities_and_nan(x, data):
     """Small inputs take one partition instead of the reference's sort: the same indices, also
     for ties, signed zeros, infinities and NaN (ranked below everything by the reference)."""
     k = data.draw(st.integers(0, x.size))
-    assert np.array_equal(sc.topk_indices(x, k), sc.codecs.topk_indices_reference(x, k))
+    assert np.array_equal(sc.topk_indices(x, k), sc.wire.codecs.topk_indices_reference(x, k))
 
 
 # --------------------------------------------------------------------------- masks

@@ -94,7 +94,7 @@ class TestSingleRank:
     @pytest.mark.parametrize("mask", ["cyclic", "bernoulli"])
     def test_masked_allreduce_mask_is_the_codec_mask(self, mask):
         comm = comm_for(mask=mask, ratio=0.1)
-        ref = sc.masks.make_mask(mask, comm.layout, 0.1, comm.seed)
+        ref = sc.wire.masks.make_mask(mask, comm.layout, 0.1, comm.seed)
         assert comm.seed == 2024
         for step in (1, 2, 11):
             _, idx = comm.masked_allreduce(make_arrays(step), step)
@@ -485,7 +485,7 @@ class TestStats:
         assert "exchanges" in comm.stats.summary()
 
     def test_wire_formulas(self):
-        from slamb_comm.stats import allgather_wire, allreduce_wire
+        from slamb_comm.wire.stats import allgather_wire, allreduce_wire
 
         assert allreduce_wire(1000, 1) == 0
         assert allreduce_wire(1000, 4) == pytest.approx(1500)
@@ -643,14 +643,14 @@ def test_sparse_allgather_topk_dense_sends_always_dense_tensors_whole(topk_dense
 
 # --------------------------------------------------------------------------- the fused top-k exchange
 # sparse_allgather works on the whole fused buffer (and, on a device, selects every tensor's
-# top-k with the radix select of slamb_comm/topk_kernels.py). These tests fix its results bit for bit against
+# top-k with the radix select of slamb_comm/device/topk_kernels.py). These tests fix its results bit for bit against
 # the exchange as it was done tensor by tensor before (the reference below), at 1 to 4 ranks
 # run as threads of this process, on NumPy and on the strict CuPy double, and count its device
 # operations, host-to-device copies and host reads.
 import threading  # noqa: E402
 
 import strict_cupy  # noqa: E402
-from slamb_comm.codecs import topk_indices_reference  # noqa: E402
+from slamb_comm.wire.codecs import topk_indices_reference  # noqa: E402
 
 
 def _raw(buf):

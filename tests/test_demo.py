@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-from slamb_comm.demo import DCTChunks, DeMo, dct_matrix
+from slamb_comm.methods.demo import DCTChunks, DeMo, dct_matrix
 
 SHAPES = [(20, 13), (7,), (3, 4, 5), (16, 16), (), (9, 1)]
 

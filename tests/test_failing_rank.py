@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import os, sys, numpy as np, slamb_comm as sc
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 mode = sys.argv[1]
 x = [np.ones((100, 100), np.float32)]
 comm = sc.Communicator(sc.MPITransport(), x, ratio=0.1)
@@ -119,7 +119,7 @@ import numpy as np, strict_cupy
 strict_cupy.install()  # the CuPy double: its NCCL runs over MPI, and blocks like NCCL would
 import cupy
 import slamb_comm as sc
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 transport = sc.NCCLTransport()
 x = [cupy.ones((100, 100), np.float32)]
 comm = sc.Communicator(transport, x, ratio=0.1)

@@ -1,4 +1,4 @@
-"""SLAMB's device step (slamb_comm/fused.py: the kernels of slamb_comm/kernels.py), on one process.
+"""SLAMB's device step (slamb_comm/device/slamb_step.py: the kernels of slamb_comm/device/kernels.py), on one process.
 
 The kernels run here through the strict CuPy double, which compiles their CUDA source for the
 host and executes it (tests/strict_cupy.py), so every line of their arithmetic runs in CI:
@@ -28,7 +28,7 @@ import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250), (7,), (90, 110)]
 
@@ -108,7 +108,7 @@ def test_plan_counts_are_the_masks():
     shapes = [(13, 17), (5,), (40, 37), (1, 3), (61, 29), (7, 7)]
     lay = sc.Layout(shapes, np.float32, dense_threshold=10)
     mask = sc.CyclicMask(lay, 1 / 7, seed=9)
-    plan = sc.fused.Plan(lay, mask, np)
+    plan = sc.device.slamb_step.Plan(lay, mask, np)
     for j in range(mask.num_chunks):
         assert [mask.count_of_chunk(j, i) for i in range(len(lay))] == plan.counts[j].tolist()
         assert plan.k_of(j) == sum(plan.counts[j])
@@ -326,11 +326,11 @@ def test_a_skipped_step_reads_nothing(double):
 def test_the_divisor_is_exact_over_a_tiles_span(C):
     """The kernels' group of a position p of a tile's span is (p M) >> 32 with M = divisor(C): exact
     for every p < C + TILE, or M = 0 (the kernels divide) where 32 bits cannot hold it."""
-    M = int(sc.fused.divisor(C))
+    M = int(sc.device.slamb_step.divisor(C))
     if M == 0:
-        assert C * (C + sc.kernels.TILE) >= 2**32
+        assert C * (C + sc.device.kernels.TILE) >= 2**32
         return
-    p = np.arange(C + sc.kernels.TILE, dtype=np.uint64)
+    p = np.arange(C + sc.device.kernels.TILE, dtype=np.uint64)
     assert np.array_equal((p * np.uint64(M)) >> np.uint64(32), p // np.uint64(C))
 
 
@@ -338,7 +338,7 @@ def test_the_kernels_divide_where_no_divisor_fits(double, monkeypatch):
     """Where no 32-bit M exists (C (C + TILE) >= 2^32: k below about 1/63,000) the kernels divide: that
     branch, forced at k = 0.1, takes the CPU path's steps. (The CPU path itself cannot run such a k: its
     picks build a C x C table.)"""
-    monkeypatch.setattr(sc.fused, "divisor", lambda C: np.uint32(0))
+    monkeypatch.setattr(sc.device.slamb_step, "divisor", lambda C: np.uint32(0))
     a, opt = run(double, SHAPES, steps=8)
     b, _ = run(np, SHAPES, steps=8)
     assert kernel_steps() == opt.t

@@ -1,8 +1,8 @@
 """slamb_comm's CUDA kernels compile under NVRTC, without a GPU.
 
-The strict CuPy double runs ``slamb_comm.kernels.SOURCE`` through the host's C++ compiler
+The strict CuPy double runs ``slamb_comm.device.kernels.SOURCE`` through the host's C++ compiler
 (``tests/host_kernels.py``); this checks the other side of the dialect: NVRTC (the compiler
-``cupy.RawModule`` uses on a GPU) takes the same text with ``slamb_comm.kernels.OPTIONS`` for
+``cupy.RawModule`` uses on a GPU) takes the same text with ``slamb_comm.device.kernels.OPTIONS`` for
 the A100's and H100's architectures, every kernel the library can ask for is an entry of the
 PTX, and no multiply-add is contracted (``--fmad=false``: the device rounds ``a * b + c`` twice,
 as the host build does with ``-ffp-contract=off``). NVRTC needs no device and no driver: it comes
@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from slamb_comm import kernels
+from slamb_comm.device import kernels
 
 ARCHS = ("compute_80", "compute_90")
 

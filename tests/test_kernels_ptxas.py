@@ -1,9 +1,9 @@
 """Registers, spills and shared memory of slamb_comm's CUDA kernels, from ``ptxas -v``, without a GPU.
 
 A kernel bound by device memory needs enough warps in flight to cover the latency of its loads;
-at :data:`slamb_comm.kernels.THREADS` threads per block, the registers per thread set how many
+at :data:`slamb_comm.device.kernels.THREADS` threads per block, the registers per thread set how many
 blocks an SM holds (on sm_90: 56 registers -> 4 blocks, 50% occupancy; 48 -> 62.5%; 40 -> 75%;
-32 -> 100%). This compiles :data:`slamb_comm.kernels.SOURCE` to PTX with NVRTC for
+32 -> 100%). This compiles :data:`slamb_comm.device.kernels.SOURCE` to PTX with NVRTC for
 ``compute_90`` exactly as ``tests/test_kernels_nvrtc.py`` does, assembles it with ``ptxas
 -arch=sm_90 -v`` (the ``nvidia-cuda-nvcc-cu12`` wheel, which ``scripts/setup.sh`` installs), and
 holds every ``.entry`` of the PTX to :data:`REGISTERS` (else :data:`DEFAULT_REGISTERS`) and to no
@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-from slamb_comm import kernels
+from slamb_comm.device import kernels
 from test_kernels_nvrtc import _ptx
 
 ARCH = "sm_90"

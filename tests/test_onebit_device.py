@@ -1,4 +1,4 @@
-"""1-bit LAMB and the 1-bit exchange on a device (slamb_comm.onebit_kernels; docs/onebit_lamb.md section 5).
+"""1-bit LAMB and the 1-bit exchange on a device (slamb_comm.device.onebit_kernels; docs/onebit_lamb.md section 5).
 
 On the strict CuPy double (tests/strict_cupy.py), which runs the kernels' host build: the device
 paths give the NumPy path's results (the exchange bit for bit; 1-bit LAMB within float rounding:
@@ -16,10 +16,11 @@ import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm import kernels, onebit_kernels
+from slamb_comm.device import kernels
+from slamb_comm.device import onebit_kernels
 from slamb_comm.errors import NonFiniteError
-from slamb_comm.onebit import tree_depth
-from slamb_comm.onebit_lamb import OneBitLambRule
+from slamb_comm.exchange.onebit import tree_depth
+from slamb_comm.methods.onebit_lamb import OneBitLambRule
 from test_communicator_local import ThreadRanks
 
 TENSORS = (10, 100, 1000)
@@ -99,7 +100,7 @@ def cp():
 # --------------------------------------------------------------------------- NVRTC
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_every_kernel_compiles_under_nvrtc(arch):
-    """The same text NVRTC compiles for a GPU (options of slamb_comm.kernels: IEEE arithmetic, no
+    """The same text NVRTC compiles for a GPU (options of slamb_comm.device.kernels: IEEE arithmetic, no
     contraction): every kernel the launches name is an entry of the PTX, and no multiply-add."""
     try:
         from cupy_backends.cuda.libs import nvrtc

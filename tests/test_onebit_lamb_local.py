@@ -1,4 +1,4 @@
-"""Single-process tests of the 1-bit LAMB rule (slamb_comm.onebit_lamb, docs/onebit_lamb.md
+"""Single-process tests of the 1-bit LAMB rule (slamb_comm.methods.onebit_lamb, docs/onebit_lamb.md
 section 2 with section 3's choices) against its float64 simulation (tests/onebit_reference.py),
 against docs/algorithm.md's LAMB (the warm-up with bias correction), and for failures, state and the
 CuPy branch (strict double)."""
@@ -12,8 +12,8 @@ import onebit_reference as ref
 import slamb_comm as sc
 import strict_cupy
 from slamb_comm.errors import ConfigError, NonFiniteError
-from slamb_comm.onebit_lamb import OneBitLambRule
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.onebit_lamb import OneBitLambRule
+from slamb_comm.methods.slamb import SlambRule
 
 SHAPES = [(30, 40), (7,), (0,), (3, 5, 2), (65,)]
 SIZES = [1200, 7, 0, 30, 65]
@@ -56,7 +56,7 @@ def test_matches_the_float64_simulation(kw):
 
 def test_warm_up_with_bias_correction_is_algorithm_md_lamb():
     kw = dict(lr=0.01, eps=1e-6, weight_decay=0.01)
-    opt = opt_for(freeze_step=100, bias_correction=True, min_coeff=0.01, max_coeff=1000.0, **kw)
+    opt = opt_for(freeze_step=100, bias_correction=True, c_min=0.01, c_max=1000.0, **kw)
     lamb = SlambRule(sc.Communicator(None, make(0), ratio=1.0, seed=1), c_min=0.01, c_max=1000.0, sync_interval=1, **kw)
     x, xl = make(1), make(1)
     for step in range(1, 6):
@@ -104,7 +104,7 @@ def test_state_round_trip_continues_bitwise():
 
 
 def test_config_errors():
-    for kw in (dict(freeze_step=-1), dict(factor_min=2.0), dict(factor_threshold=1.0), dict(min_coeff=0),
+    for kw in (dict(freeze_step=-1), dict(factor_min=2.0), dict(factor_threshold=1.0), dict(c_min=0),
                dict(on_nonfinite="ignore"), dict(betas=(1.0, 0.9)), dict(lr=float("nan"))):
         with pytest.raises(ConfigError):
             opt_for(**kw)
@@ -131,51 +131,3 @@ def test_cupy_branch_matches_numpy(cp):
         assert strict_cupy.total_syncs() <= 3, dict(strict_cupy.syncs)
         np.testing.assert_allclose(flat(x), flat(xb), rtol=1e-12, atol=1e-14)
     assert isinstance(b.m, cp.ndarray)
-
-
-def test_trust_bounds_are_c_min_c_max_with_deepspeeds_names_deprecated():
-    """The bounds are named as SLAMB's; ``min_coeff``/``max_coeff`` still work, with a
-    DeprecationWarning, and give bitwise the same run."""
-    kw = dict(freeze_step=2, lr=0.01)
-    new = opt_for(c_min=0.5, c_max=2.0, **kw)
-    with pytest.warns(DeprecationWarning, match="min_coeff= is deprecated: pass c_min="):
-        old = opt_for(min_coeff=0.5, max_coeff=2.0, **kw)
-    assert (old.c_min, old.c_max) == (new.c_min, new.c_max) == (0.5, 2.0)
-    x, xo = make(1), make(1)
-    for step in range(1, 4):
-        g = make(10 + step)
-        new.step(x, g)
-        old.step(xo, g)
-    assert all(np.array_equal(a, b) for a, b in zip(x, xo))
-
-
-def test_torch_onebit_lamb_loads_a_state_saved_with_deepspeeds_names():
-    """A state saved before the rename (group keys ``min_coeff``/``max_coeff``) loads, with a
-    DeprecationWarning, into the groups' ``c_min``/``c_max``; the next step is bitwise the same."""
-    import torch
-
-    from slamb_comm.adapters.torch import OneBitLAMB
-
-    torch.manual_seed(0)
-    models = [torch.nn.Linear(4, 3) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    opts = [OneBitLAMB(m.parameters(), lr=0.01, freeze_step=1, c_min=0.5, c_max=2.0) for m in models]
-    data = torch.randn(2, 4)
-
-    def train(model, opt):
-        opt.zero_grad()
-        model(data).square().sum().backward()
-        opt.step()
-
-    train(models[0], opts[0])
-    saved = opts[0].state_dict()
-    for g in saved["param_groups"]:
-        g["min_coeff"], g["max_coeff"] = g.pop("c_min"), g.pop("c_max")
-    models[1].load_state_dict(models[0].state_dict())
-    with pytest.warns(DeprecationWarning, match="max_coeff= is deprecated"):
-        opts[1].load_state_dict(saved)
-    assert (opts[1].param_groups[0]["c_min"], opts[1].param_groups[0]["c_max"]) == (0.5, 2.0)
-    assert "min_coeff" not in opts[1].param_groups[0]
-    for model, opt in zip(models, opts):
-        train(model, opt)
-    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))

@@ -1,4 +1,4 @@
-"""Single-process tests of the 1-bit exchange (slamb_comm.onebit, docs/onebit_lamb.md section 1)
+"""Single-process tests of the 1-bit exchange (slamb_comm.exchange.onebit, docs/onebit_lamb.md section 1)
 and of LocalTransport.alltoall: the float64 reference of the page, the "nothing is lost"
 identity, failures that change nothing, the state_dict round trip, byte counts, and the CuPy
 branch through the strict double (tests/strict_cupy.py) with its host reads counted."""
@@ -13,7 +13,7 @@ import onebit_reference as ref
 import slamb_comm as sc
 import strict_cupy
 from slamb_comm.errors import ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
-from slamb_comm.onebit import OneBitExchange, pack_signs, padded_size, unpack_signs
+from slamb_comm.exchange.onebit import OneBitExchange, pack_signs, padded_size, unpack_signs
 
 SHAPES = [(30, 40), (7,), (3, 5, 2), (0,), (65,)]  # 1302 elements: padding 2 at P = 1
 N = 1302
@@ -80,7 +80,7 @@ def test_local_transport_alltoall_copies():
 
 def test_transport_protocol_has_alltoall():
     assert isinstance(sc.LocalTransport(), sc.Transport)
-    assert "alltoall" in sc.transports.__doc__
+    assert "alltoall" in sc.exchange.transports.__doc__
 
 
 def test_status_codes_are_defined_once():

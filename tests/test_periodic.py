@@ -1,5 +1,5 @@
 """DiLoCo and DES-LOC in one process (docs/algorithm.md section 12): the core classes of
-slamb_comm.periodic and the torch adapter, against float64 references written out here.
+slamb_comm.methods.periodic and the torch adapter, against float64 references written out here.
 The same rules over 1, 2 and 4 ranks: mpi_tests/test_periodic.py."""
 
 import copy
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-from slamb_comm.periodic import DesLoc, DiLoCo
+from slamb_comm.methods.periodic import DesLoc, DiLoCo
 
 from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
 

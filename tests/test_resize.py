@@ -1,4 +1,4 @@
-"""slamb_comm.resize on its own (docs/algorithm.md section 10): what is equal is kept bitwise,
+"""slamb_comm.methods.resize on its own (docs/algorithm.md section 10): what is equal is kept bitwise,
 floating-point state that differs is averaged in float64 (torch tensors stay torch tensors of
 their dtype), the rest is taken from old rank ``rank mod P`` with a warning, a structure that
 differs between ranks is refused, and one old state at a time is enough. The resize of real
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from slamb_comm.resize import resize
+from slamb_comm.methods.resize import resize
 from state_compare import averaged_from_two, leaves
 
 

@@ -5,7 +5,7 @@ import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule
 
 
 def test_float16_parameters_need_a_float32_master_copy():
@@ -102,17 +102,3 @@ def test_a_steps_scratch_is_bounded_by_the_largest_tensor():
     n, largest = comm.layout.total, 1024 * 512
     payload = 4 * (0.1 * n + 8 * 512)
     assert peak < 0.25 * 4 * largest + 2 * payload, (peak, largest, payload)  # the model is 8x the largest tensor
-
-
-def test_the_old_names_of_the_core_rules_still_work_with_a_warning():
-    """``Slamb`` and ``OneBitLamb`` (named as the torch optimizers but for case) are the
-    deprecated names of ``SlambRule`` and ``OneBitLambRule``."""
-    import slamb_comm.onebit_lamb as onebit_lamb
-    import slamb_comm.slamb as slamb
-
-    with pytest.warns(DeprecationWarning, match="slamb_comm.slamb.Slamb is now SlambRule"):
-        assert slamb.Slamb is SlambRule
-    with pytest.warns(DeprecationWarning, match="slamb_comm.onebit_lamb.OneBitLamb is now OneBitLambRule"):
-        assert onebit_lamb.OneBitLamb is onebit_lamb.OneBitLambRule
-    with pytest.raises(AttributeError):
-        slamb.NoSuchRule

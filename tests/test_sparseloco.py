@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-from slamb_comm.chunk_topk import ChunkTopK, pack_bits, unpack_bits
-from slamb_comm.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+from slamb_comm.wire.chunk_topk import ChunkTopK, pack_bits, unpack_bits
+from slamb_comm.methods.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
 from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
 

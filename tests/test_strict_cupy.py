@@ -2,7 +2,7 @@
 each compared with the NumPy branch; the GPU defects found that way; host synchronisations
 per step, counted; the double's counts of device operations, host-to-device copies and device
 bytes, its device-memory accounting, and its raw CUDA kernels (toy kernels in the dialect of
-slamb_comm.kernels.PRELUDE, and slamb_comm's own) run on the host.
+slamb_comm.device.kernels.PRELUDE, and slamb_comm's own) run on the host.
 
 ``strict_cupy``'s docstring says what the double catches (implicit host conversion, NumPy
 operands, misaligned typed views, arrays on another device than the current one, host reads)
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import slamb_comm.kernels as K
+import slamb_comm.device.kernels as K
 import strict_cupy
-from slamb_comm.codecs import TopKWire, topk_indices, topk_indices_reference
-from slamb_comm.slamb import SlambRule
+from slamb_comm.wire.codecs import TopKWire, topk_indices, topk_indices_reference
+from slamb_comm.methods.slamb import SlambRule
 
 REAL = os.environ.get("SLAMB_COMM_REAL_CUPY") == "1"
 
@@ -491,7 +491,7 @@ def test_raw_kernel_refuses_an_array_of_another_device_and_writes_through_const(
 
 def test_the_librarys_kernels_compile_and_run_on_the_double(strict):
     """slamb_trust on 2 tensors of 2 and 1 tiles: the tiles' partial norms summed, the trust ratios
-    and rates of docs/algorithm.md section 1, through slamb_comm.kernels.launch, which reaches
+    and rates of docs/algorithm.md section 1, through slamb_comm.device.kernels.launch, which reaches
     launch_declared: the declared bytes are charged."""
     cp = strict
     part = np.array([[4.0, 1.0, 1.0, 0.25], [5.0, 2.0, 3.0, 1.0], [9.0, 0.0, 0.0, 0.0]])  # xx, ww, xs, ws per tile

@@ -1,4 +1,4 @@
-"""The top-k exchange on a device (slamb_comm/topk_kernels.py, issue 33): bitwise the NumPy path,
+"""The top-k exchange on a device (slamb_comm/device/topk_kernels.py, issue 33): bitwise the NumPy path,
 and its counted costs against torch.topk's.
 
 On the strict CuPy double (tests/strict_cupy.py), whose host build of the kernels executes every
@@ -19,7 +19,8 @@ import pytest
 
 import slamb_comm as sc
 import strict_cupy
-from slamb_comm import kernels, topk_kernels
+from slamb_comm.device import kernels
+from slamb_comm.device import topk_kernels
 from test_kernels_nvrtc import _nvrtc
 
 #: Device bytes per element of ``torch.topk(a, k)`` on one float32 slice of 655,360 elements (the
@@ -170,7 +171,7 @@ def test_a_non_finite_value_fails_as_on_numpy_and_changes_nothing(cp, bad):
 
 def test_wire_encode_and_select_are_numpy_s(cp):
     lay = sc.Layout(_shapes(60), "float32", dense_threshold=50)
-    wire = sc.codecs.TopKWire(lay, 0.05, "float16")
+    wire = sc.wire.codecs.TopKWire(lay, 0.05, "float16")
     x = _values(np.random.default_rng(3), lay.total, "ties", np.float32)
     want = wire.empty(np)
     want_pos = wire.encode(x, want)
@@ -238,7 +239,7 @@ def test_the_selection_s_launches_per_dtype(cp, dtype, launches):
     """1 + (digits - 1) + 1 kernels: float16's keys have 2 digits, float32's 3, float64's 6; a
     select adds the indices' cast. No host read, no copy to the device after the first."""
     lay = sc.Layout([(300, 100), (20, 30), (5,)], dtype)
-    wire = sc.codecs.TopKWire(lay, 0.1, dtype)
+    wire = sc.wire.codecs.TopKWire(lay, 0.1, dtype)
     x = cp.asarray(np.random.default_rng(0).standard_normal(lay.total).astype(dtype))
     wire.select(x)
     with strict_cupy.counting() as c:

@@ -156,7 +156,7 @@ def test_amp_with_an_inf_on_one_rank_under_torchrun(tmp_path):
 
 RESTART = """
 import os, signal, sys, torch, torch.distributed as dist
-from slamb_comm import checkpoint
+from slamb_comm.methods import checkpoint
 from slamb_comm.adapters import torch as st
 st.init_process_group("gloo")  # each restart rendezvouses afresh
 rank, size = dist.get_rank(), dist.get_world_size()

@@ -87,7 +87,7 @@ Modules: :mod:`.transport` (the core's transport and the optimizers' collectives
 Horovod's resets).
 """
 
-from slamb_comm.codecs import TopK
+from slamb_comm.wire.codecs import TopK
 from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB, SAdamW
 
 from .optimizer import DistributedOptimizer, averaged_state_dict

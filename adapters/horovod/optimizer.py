@@ -9,7 +9,7 @@ import torch
 
 import horovod.torch as hvd
 
-from slamb_comm.codecs import TopK
+from slamb_comm.wire.codecs import TopK
 from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB
 from slamb_comm.adapters.torch.averaging import ReplicaGroup, mean_of_replicas
 from slamb_comm.adapters.torch.distributed import wrap
@@ -97,7 +97,7 @@ def _check_elastic(kind, elastic, process_set):
         raise RuntimeError(
             "OneBitLAMB does not support Elastic Horovod: its server errors are cut into one chunk per rank, and a "
             "worker that leaves takes its chunk with it. Use SLAMB or a TopK compression under Elastic Horovod, or "
-            "torchrun --max-restarts with slamb_comm.checkpoint, whose load re-chunks them (docs/algorithm.md "
+            "torchrun --max-restarts with slamb_comm.methods.checkpoint, whose load re-chunks them (docs/algorithm.md "
             "section 10)")
     if elastic and process_set is not hvd.global_process_set:
         raise ValueError("under Elastic Horovod slamb_comm's distributed optimizers run on all ranks: pass no "

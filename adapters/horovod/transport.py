@@ -8,7 +8,7 @@ import torch
 
 import horovod.torch as hvd
 
-from slamb_comm.transports import check_alltoall, check_buffer
+from slamb_comm.exchange.transports import check_alltoall, check_buffer
 from slamb_comm.adapters.torch.tensors import torch_view
 
 __all__ = ["HorovodTransport", "HorovodCollectives", "AloneUntilSynced", "Bf16Safe"]

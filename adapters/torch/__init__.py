@@ -67,7 +67,7 @@ Data types: bfloat16 and float16 parameters are updated through float32 state an
 the exchange is float32 or float16 per ``value_dtype``.
 """
 
-from slamb_comm.codecs import TopK
+from slamb_comm.wire.codecs import TopK
 
 from .averaging import averaged_state_dict, traffic_metrics
 from .collectives import TorchTransport, init_process_group

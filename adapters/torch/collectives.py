@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from slamb_comm.transports import check_alltoall, check_buffer
+from slamb_comm.exchange.transports import check_alltoall, check_buffer
 
 from .tensors import torch_view
 

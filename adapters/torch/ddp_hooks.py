@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout, TopK
-from slamb_comm.communicator import Communicator
+from slamb_comm.wire.codecs import Layout, TopK
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.errors import NonFiniteError
-from slamb_comm.stats import Traffic
+from slamb_comm.wire.stats import Traffic
 
 from .collectives import TorchTransport
 from .distributed_slamb import DistributedSlamb

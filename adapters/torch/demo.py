@@ -1,4 +1,4 @@
-"""DeMo as a torch optimizer (:class:`DeMo`), on the core's :class:`slamb_comm.demo.DeMo`.
+"""DeMo as a torch optimizer (:class:`DeMo`), on the core's :class:`slamb_comm.methods.demo.DeMo`.
 
 docs/algorithm.md section 13 has the math; this module moves torch tensors in and out of the
 core's one exchange per step and applies the signum update per parameter group.
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout
-from slamb_comm.demo import DeMo as _CoreDeMo
+from slamb_comm.wire.codecs import Layout
+from slamb_comm.methods.demo import DeMo as _CoreDeMo
 
 from .collectives import TorchTransport
 from .params import run_closure

@@ -7,7 +7,7 @@ framework's collectives, picks the methods (:mod:`.distributed_slamb`, :mod:`.di
 with Horovod's collectives.
 """
 
-from slamb_comm.codecs import TopK
+from slamb_comm.wire.codecs import TopK
 
 from .collectives import TorchCollectives
 from .distributed_onebit import DistributedOneBit

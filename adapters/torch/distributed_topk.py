@@ -11,10 +11,10 @@ import warnings
 import torch
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout
-from slamb_comm.communicator import Communicator
+from slamb_comm.wire.codecs import Layout
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.errors import NonFiniteError
-from slamb_comm.stats import Traffic
+from slamb_comm.wire.stats import Traffic
 
 from .contract import STEP_AFTER_SYNC, ContractMethods
 from .params import param_changed, params_changed, run_closure

@@ -1,6 +1,6 @@
 """A bucket's parameters as one flat buffer, its gradients read where they are (``fused=`` of the optimizers).
 
-On a GPU the core's device step (:mod:`slamb_comm.fused`: a few kernels whatever the number of
+On a GPU the core's device step (:mod:`slamb_comm.device.slamb_step`: a few kernels whatever the number of
 tensors) reads the parameters and the gradients through tables of device addresses. :class:`Flat`
 provides them:
 
@@ -14,7 +14,7 @@ provides them:
   ``.data`` pointed back) if its dtype and layout allow, else copied from then on; one moved to
   another device raises :class:`~slamb_comm.LayoutError`.
 * **Gradients are read where they are**: :meth:`gradients` hands the core
-  :class:`slamb_comm.device.Addresses`, the device address of every ``p.grad`` (DDP's bucket
+  :class:`slamb_comm.device.tables.Addresses`, the device address of every ``p.grad`` (DDP's bucket
   views, autograd's own tensors, whatever a recipe left), so the step makes no copy of them and
   keeps no gradient buffer. The copy is unavoidable only where the kernels cannot read a
   gradient as it is: a 16-bit gradient (bfloat16/float16 parameters: the kernels read the
@@ -47,7 +47,7 @@ import torch
 
 from slamb_comm import arrays as _arr
 from slamb_comm.errors import LayoutError
-from slamb_comm.device import Addresses
+from slamb_comm.device.tables import Addresses
 
 __all__ = ["Flat", "wants_flat"]
 
@@ -138,7 +138,7 @@ class Flat:
 
     @torch.no_grad()
     def gradients(self, grads=None):
-        """The gradients (``grads``, default every ``p.grad``) as :class:`~slamb_comm.device.Addresses`,
+        """The gradients (``grads``, default every ``p.grad``) as :class:`~slamb_comm.device.tables.Addresses`,
         read where they are; a gradient the kernels cannot read as it is (another dtype, or not
         contiguous) is converted into a buffer kept for it. Needs :meth:`ready`. Nothing keeps the
         gradient tensors after the step (``zero_grad()`` frees them, as with any optimizer)."""

@@ -1,7 +1,7 @@
 """The device exchange of a distributed SLAMB's flat buckets, overlapped with the backward pass.
 
 Under DDP with :func:`~slamb_comm.adapters.torch.slamb_hook`, each DDP bucket's masked momentum is
-packed by the core's pack kernel (:meth:`slamb_comm.fused.DeviceStep.pack`: the gradients read
+packed by the core's pack kernel (:meth:`slamb_comm.device.slamb_step.DeviceStep.pack`: the gradients read
 once, in DDP's bucket, with their finiteness in the status word) and its allreduce started from
 the hook, as soon as DDP hands the bucket, so the exchange overlaps the rest of the backward
 pass as DDP's own allreduce does. The agreement at the end of the backward pass waits for them
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from slamb_comm import arrays as _arr
-from slamb_comm.device import Addresses
+from slamb_comm.device.tables import Addresses
 from slamb_comm.errors import NonFiniteError
-from slamb_comm.fused import applies
+from slamb_comm.device.slamb_step import applies
 
 from . import tensors
 from .tensors import cuda_scope
@@ -33,7 +33,7 @@ __all__ = ["FlatExchange", "runs_on_device"]
 
 def runs_on_device(e):
     """Whether bucket ``e``'s steps are the core's device kernels: flat buffers of device arrays and
-    a mask the kernels derive (:func:`slamb_comm.fused.applies`)."""
+    a mask the kernels derive (:func:`slamb_comm.device.slamb_step.applies`)."""
     xp = e.rule.xp
     return e.flat is not None and xp is not None and xp is not np and applies(e.rule, e.flat.array, None, xp, ())
 
@@ -143,7 +143,7 @@ class FlatExchange:
         pass is applied as it is, unless ``again`` (some rank changed its gradients since) or none
         was packed: then every bucket packs and exchanges now, with the groups and collectives of
         the hooks. Elsewhere (the CPU; a mask the kernels do not derive) every bucket's
-        :meth:`~slamb_comm.slamb.SlambRule.exchange_step`, then every bucket's update. Every bucket's
+        :meth:`~slamb_comm.methods.slamb.SlambRule.exchange_step`, then every bucket's update. Every bucket's
         exchange runs before any bucket changes, so that a non-finite gradient on any rank skips
         the whole step on every rank: returns that NonFiniteError, or None. ``lr_wd(e)``: the
         bucket's learning rates and weight decays now."""

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard as TShard
 
-from slamb_comm.codecs import Shard
+from slamb_comm.wire.codecs import Shard
 from slamb_comm.errors import ConfigError
-from slamb_comm.stats import Traffic, allreduce_wire
+from slamb_comm.wire.stats import Traffic, allreduce_wire
 
 from .collectives import TorchTransport
 from .contract import queue_callback

@@ -2,7 +2,7 @@
 
 The distributed SLAMB optimizer's buckets that are not flat (the CPU's default) exchange in two
 calls of the core per tensor, with the framework's collectives in between: the core's
-:meth:`~slamb_comm.slamb.SlambRule.accumulate` writes this rank's new momentum on M_t into a buffer
+:meth:`~slamb_comm.methods.slamb.SlambRule.accumulate` writes this rank's new momentum on M_t into a buffer
 whose last slot is the status word, the collectives average it asynchronously (a parameter's
 gradient hook, or DDP's bucket hook, launches it; Horovod's and torch.distributed's collectives
 fuse a bucket's into one), and :meth:`HookExchange.finish` waits, checks every status word and

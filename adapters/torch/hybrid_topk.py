@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout, TopK
-from slamb_comm.communicator import Communicator
+from slamb_comm.wire.codecs import Layout, TopK
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.errors import ConfigError, NonFiniteError, PeerError
-from slamb_comm.stats import Traffic, allreduce_wire
+from slamb_comm.wire.stats import Traffic, allreduce_wire
 
 from .fsdp import mesh_pieces
 from .params import run_closure

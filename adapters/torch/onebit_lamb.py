@@ -1,4 +1,4 @@
-"""The 1-bit LAMB torch optimizer (:class:`OneBitLAMB`), on the core's :class:`slamb_comm.onebit_lamb.OneBitLambRule`.
+"""The 1-bit LAMB torch optimizer (:class:`OneBitLAMB`), on the core's :class:`slamb_comm.methods.onebit_lamb.OneBitLambRule`.
 
 Alone it is 1-bit LAMB with P = 1; :mod:`.distributed` turns it into 1-bit LAMB over all
 ranks. docs/onebit_lamb.md has the math.
@@ -11,11 +11,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from slamb_comm.codecs import Layout
-from slamb_comm.communicator import Communicator
+from slamb_comm.wire.codecs import Layout
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.errors import ConfigError, LayoutError, NonFiniteError
-from slamb_comm.onebit_lamb import OneBitLambRule, trust_bounds
-from slamb_comm.transports import LocalTransport
+from slamb_comm.methods.onebit_lamb import OneBitLambRule
+from slamb_comm.exchange.transports import LocalTransport
 
 from .params import Engine, EngineKey, param_changed, params_changed, run_closure, saved_state_by_param
 from .slamb import SLAMB
@@ -38,17 +38,6 @@ def _onebit_knobs(g):
     return tuple(conv.get(k, float)(g[k]) for k in _ONEBIT_KEYS)
 
 
-def _renamed_bounds(group):
-    """``group`` with DeepSpeed's ``min_coeff``/``max_coeff`` keys (deprecated; a state saved
-    before the rename) as ``c_min``/``c_max``."""
-    if "min_coeff" not in group and "max_coeff" not in group:
-        return group
-    group = dict(group)
-    group["c_min"], group["c_max"] = trust_bounds(group.get("c_min"), group.get("c_max"),
-                                                  group.pop("min_coeff", None), group.pop("max_coeff", None))
-    return {k: v for k, v in group.items() if v is not None or k not in ("c_min", "c_max")}
-
-
 def _host_flat(t, n, what):
     """A saved state tensor as a flat float64 NumPy array of ``n`` elements (exact for float32/64)."""
     a = torch.as_tensor(t).detach().reshape(-1)
@@ -61,7 +50,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     r"""1-bit LAMB (Li et al., HiPC 2022; DeepSpeed's ``OnebitLamb``) as a ``torch.optim.Optimizer``.
 
     The math is docs/onebit_lamb.md section 2 with section 3's choices, computed by
-    :class:`slamb_comm.onebit_lamb.OneBitLambRule` on each bucket's fused flat buffers: for
+    :class:`slamb_comm.methods.onebit_lamb.OneBitLambRule` on each bucket's fused flat buffers: for
     ``freeze_step`` steps LAMB on the gradient averaged over the ranks (one dense allreduce per
     step), then v frozen and each rank's momentum averaged by the error-compensated 1-bit
     exchange (signs, one scale per rank and chunk), the LAMB coefficient frozen and rescaled by
@@ -79,10 +68,9 @@ class OneBitLAMB(torch.optim.Optimizer):
             steps too, alike for all groups of a bucket and on every rank.
         lr, freeze_step, betas, eps, weight_decay, c_max, c_min, coeff_beta,
         factor_max, factor_min, factor_threshold, bias_correction: as
-            :class:`slamb_comm.onebit_lamb.OneBitLambRule` (DeepSpeed's defaults, and its names but
-            for the trust ratio's bounds, ``c_max``/``c_min`` as SLAMB's: ``max_coeff``/``min_coeff``
-            are deprecated aliases, also as group keys and in saved states;
-            ``bias_correction=False`` is DeepSpeed's rule).
+            :class:`slamb_comm.methods.onebit_lamb.OneBitLambRule` (DeepSpeed's defaults, and its names but
+            for the trust ratio's bounds, ``c_max``/``c_min`` as SLAMB's, which DeepSpeed calls
+            ``max_coeff``/``min_coeff``; ``bias_correction=False`` is DeepSpeed's rule).
         on_nonfinite: ``'skip'`` (default): a step with a NaN/Inf gradient on any rank is
             skipped on every rank (logged, counted in :attr:`skipped_steps`); ``'raise'``:
             every rank raises :class:`slamb_comm.NonFiniteError`. Either way nothing changes.
@@ -104,7 +92,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     and their ``exchange_rank`` / ``exchange_size``. Every rank's error buffers are its own:
     ``state_dict()`` / ``load_state_dict()`` round-trip exactly, so a run resumed with each
     rank loading **its own** saved state is bitwise the run that was interrupted (as for
-    :mod:`slamb_comm.checkpoint`). Error buffers saved by another rank or for another P (e.g.
+    :mod:`slamb_comm.methods.checkpoint`). Error buffers saved by another rank or for another P (e.g.
     after Horovod's idiom: rank 0 loads, ``hvd.broadcast_optimizer_state``) are reset to zero
     with a warning, as DeepSpeed does on every load: a valid run, not bitwise the interrupted
     one.
@@ -123,9 +111,7 @@ class OneBitLAMB(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  c_max=10.0, c_min=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip", *, transport=None, names=None,
-                 max_coeff=None, min_coeff=None):
-        c_min, c_max = trust_bounds(c_min, c_max, min_coeff, max_coeff)
+                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip", *, transport=None, names=None):
         defaults = dict(lr=lr, freeze_step=freeze_step, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         c_max=c_max, c_min=c_min, coeff_beta=coeff_beta, factor_max=factor_max,
                         factor_min=factor_min, factor_threshold=factor_threshold,
@@ -149,7 +135,7 @@ class OneBitLAMB(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         """Add a parameter group (options default to the constructor's); its parameters get
         buckets of their own, at step 0."""
-        super().add_param_group(_renamed_bounds(param_group))
+        super().add_param_group(param_group)
         self._check_options(self.param_groups[-1])
         if self._engines is not None:
             self._build_engines()
@@ -334,7 +320,6 @@ class OneBitLAMB(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Restore :meth:`state_dict` output exactly (moments and error buffers in their saved precision)."""
         raw = saved_state_by_param(self, state_dict)
-        state_dict = {**state_dict, "param_groups": [_renamed_bounds(g) for g in state_dict["param_groups"]]}
         super().load_state_dict(state_dict)
         for g in self.param_groups:
             self._check_options(g)

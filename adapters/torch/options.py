@@ -5,9 +5,9 @@
 from dataclasses import dataclass
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import check_ratio
+from slamb_comm.wire.codecs import check_ratio
 from slamb_comm.errors import ConfigError
-from slamb_comm.masks import check_block
+from slamb_comm.wire.masks import check_block
 
 __all__ = ["MASKS", "RuleKnobs", "CommKnobs", "SlambKnobs", "check_group", "knobs_of", "layout_knobs"]
 

@@ -137,7 +137,7 @@ class EngineKey:
 
 class Engine:
     """The parameters of one (device, dtype, hyper-parameter) bucket: one Communicator and
-    one :class:`slamb_comm.slamb.SlambRule` over their fused layout."""
+    one :class:`slamb_comm.methods.slamb.SlambRule` over their fused layout."""
 
     __slots__ = ("key", "params", "index", "_groups", "unique_groups", "group_of", "names", "dtype", "np_dtype",
                  "comm", "rule", "published", "flat", "_sharded", "_seen")

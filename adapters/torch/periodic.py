@@ -6,7 +6,7 @@ One line around the optimizer a script already has::
     opt = slamb_comm.adapters.torch.DesLoc(torch.optim.AdamW(model.parameters(), lr=3e-4))
 
 and no DDP (each rank trains alone between averages). The rules are the core's,
-:class:`slamb_comm.periodic.DiLoCo` and :class:`slamb_comm.periodic.DesLoc` (docs/algorithm.md
+:class:`slamb_comm.methods.periodic.DiLoCo` and :class:`slamb_comm.methods.periodic.DesLoc` (docs/algorithm.md
 section 12), run over :class:`~slamb_comm.adapters.torch.collectives.TorchTransport` (or alone
 when no process group is initialised). Parameters are bucketed by device and compute dtype
 (16-bit ones through float32 copies, written back), one core object per bucket.
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from slamb_comm import arrays as _arr
-from slamb_comm import periodic as core
-from slamb_comm.stats import Traffic, per_step
+from slamb_comm.methods import periodic as core
+from slamb_comm.wire.stats import Traffic, per_step
 from slamb_comm.errors import ConfigError
-from slamb_comm.transports import LocalTransport
+from slamb_comm.exchange.transports import LocalTransport
 
 from .collectives import TorchTransport
 from .fsdp import mesh_pieces
@@ -131,7 +131,7 @@ class OuterLoop(torch.optim.Optimizer):
 
     @property
     def cores(self):
-        """The core objects (:mod:`slamb_comm.periodic`), one per (device, dtype) bucket."""
+        """The core objects (:mod:`slamb_comm.methods.periodic`), one per (device, dtype) bucket."""
         return [b.core for b in self._buckets]
 
     def step_traffic(self):

@@ -5,8 +5,8 @@ Each file is a dict that :func:`torch.save` wrote on one rank, with ``world_size
 of ranks that saved) and that rank's model, optimizer and hook state. On the number of ranks
 that saved them, every rank loads its own file, bitwise. On another number, every rank reads
 every old file, one at a time, and gets the state that docs/algorithm.md section 10 makes of
-them (:func:`slamb_comm.resize.resize`: what is equal on every old rank kept, the moments, error
-buffers and parameters averaged in float64), as :func:`slamb_comm.checkpoint.load` does. Every
+them (:func:`slamb_comm.methods.resize.resize`: what is equal on every old rank kept, the moments, error
+buffers and parameters averaged in float64), as :func:`slamb_comm.methods.checkpoint.load` does. Every
 rank computes the same means, so nothing is communicated.
 """
 
@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from slamb_comm.resize import resize
+from slamb_comm.methods.resize import resize
 
 __all__ = ["load_rank_file", "resume_state"]
 

@@ -1,4 +1,4 @@
-"""The SLAMB torch optimizer (:class:`SLAMB`), on the core's :class:`slamb_comm.slamb.SlambRule`.
+"""The SLAMB torch optimizer (:class:`SLAMB`), on the core's :class:`slamb_comm.methods.slamb.SlambRule`.
 
 Alone it is SLAMB with P = 1; :mod:`.distributed` turns it into SLAMB over all ranks. Holds
 the bucketing of parameters into (device, dtype, options, step) engines, the torch-side
@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from slamb_comm import arrays as _arr
-from slamb_comm.codecs import Layout, check_ratio
-from slamb_comm.communicator import Communicator
+from slamb_comm.wire.codecs import Layout, check_ratio
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.errors import ConfigError
-from slamb_comm.slamb import SlambRule
-from slamb_comm.stats import Traffic, per_step
-from slamb_comm.transports import LocalTransport
+from slamb_comm.methods.slamb import SlambRule
+from slamb_comm.wire.stats import Traffic, per_step
+from slamb_comm.exchange.transports import LocalTransport
 
 from .flat import Flat, wants_flat
 from .options import check_group, knobs_of, layout_knobs
@@ -91,7 +91,7 @@ class SLAMB(torch.optim.Optimizer):
     small or 1-D tensor) are averaged over the ranks, stale entries move with a rate that
     slides from ``lr`` to ``lr / sqrt(P)`` by their freshness, and the parameters are
     averaged every ``sync_interval`` steps. The math is docs/algorithm.md section 1, computed by
-    :class:`slamb_comm.slamb.SlambRule` on fused flat buffers.
+    :class:`slamb_comm.methods.slamb.SlambRule` on fused flat buffers.
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer. Every option
@@ -105,7 +105,7 @@ class SLAMB(torch.optim.Optimizer):
             any ratio is LAMB. Distributed, ratio 1 averages all of m every step but keeps v per
             rank and sends ``(N + 1)`` values plus the periodic sync: it is not dense LAMB (for
             that baseline use :class:`LAMB`). It may change between steps (a schedule: set ``param_group["ratio"]`` on every rank
-            alike); the change applies from the next step, see :meth:`slamb_comm.slamb.SlambRule.set_ratio`.
+            alike); the change applies from the next step, see :meth:`slamb_comm.methods.slamb.SlambRule.set_ratio`.
         beta3: freshness decay; stale element i moves with
             ``lr * (phi_S * f_i + phi_A * (1 - f_i) / sqrt(P))``, ``f_i = beta3 ** staleness``.
         sync_interval: H; parameters are averaged over ranks after steps 1, H+1, 2H+1, ...
@@ -114,7 +114,7 @@ class SLAMB(torch.optim.Optimizer):
             waits for the whole backward pass).
         block: the cyclic mask's run length: 1 (default) picks single elements, as in the
             paper; a larger value picks runs of that many contiguous elements of the fused
-            buffer (see :class:`slamb_comm.masks.CyclicMask`).
+            buffer (see :class:`slamb_comm.wire.masks.CyclicMask`).
         value_dtype: ``'float32'`` or ``'float16'`` payload of the momentum exchange
             (16 bits halve the bytes).
         c_min, c_max: clamp of the layer-wise trust ratios.
@@ -126,7 +126,7 @@ class SLAMB(torch.optim.Optimizer):
             :class:`slamb_comm.NonFiniteError`. Either way no state changes.
         fused: ``None`` (default): buckets of CUDA parameters step as whole flat buffers, a
             constant number of kernel launches per step whatever the number of tensors
-            (:mod:`slamb_comm.fused`), CPU buckets tensor by tensor (faster there); ``True``:
+            (:mod:`slamb_comm.device.slamb_step`), CPU buckets tensor by tensor (faster there); ``True``:
             flat buffers on every device; ``False``: never. With flat buffers the parameters
             become views into one buffer per bucket and the gradients are read where they are
             (:mod:`slamb_comm.adapters.torch.flat` says how and what it implies). The same
@@ -139,7 +139,7 @@ class SLAMB(torch.optim.Optimizer):
             pieces' ranks: :class:`~slamb_comm.adapters.torch.fsdp.MeshSharding`).
 
     Tuning: ``ratio=0.1`` and ``sync_interval=100`` are the paper's; sweep ``beta3``
-    (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.slamb` for the full guide.
+    (0.9-0.999) together with ``lr``. See :mod:`slamb_comm.methods.slamb` for the full guide.
 
     State: per parameter ``exp_avg`` (m), ``exp_avg_sq`` (v), ``freshness`` (f) -- float32
     views (float64 for float64 parameters) into SLAMB's fused buffers, live between
@@ -402,7 +402,7 @@ class SLAMB(torch.optim.Optimizer):
                     "hvd.broadcast_optimizer_state after rank 0 loaded a checkpoint): this rank continues from "
                     "the broadcaster's moments, step %d and mask seed. That is a valid SLAMB run but not bitwise "
                     "the interrupted one, whose moments differed per rank; save and load every rank's state "
-                    "(slamb_comm.checkpoint) for that.", e.names[0], t)
+                    "(slamb_comm.methods.checkpoint) for that.", e.names[0], t)
             self._import_state(e, {p: self.state[p] for p in e.params})
             self._options_agreed = False
         groups = e.unique_groups  # each group once, not once per parameter

@@ -7,9 +7,9 @@ between outer steps)::
     opt = slamb_comm.adapters.torch.sparseloco.SharedMaskSparseLoCo(torch.optim.AdamW(model.parameters()))
     opt = slamb_comm.adapters.torch.sparseloco.SharedTopKSparseLoCo(torch.optim.AdamW(model.parameters()))
 
-The rules are the core's, :class:`slamb_comm.sparseloco.SparseLoCo` (per-rank chunk-wise top-k,
-2-bit values, one all-gather per outer step) and :class:`slamb_comm.sparseloco.SharedMaskSparseLoCo`
-(the shared cyclic mask, one allreduce) and :class:`slamb_comm.sparseloco.SharedTopKSparseLoCo`
+The rules are the core's, :class:`slamb_comm.methods.sparseloco.SparseLoCo` (per-rank chunk-wise top-k,
+2-bit values, one all-gather per outer step) and :class:`slamb_comm.methods.sparseloco.SharedMaskSparseLoCo`
+(the shared cyclic mask, one allreduce) and :class:`slamb_comm.methods.sparseloco.SharedTopKSparseLoCo`
 (one rank's top-k positions, taking turns: a broadcast of offsets and one allreduce),
 docs/algorithm.md section 14, run over
 :class:`~slamb_comm.adapters.torch.collectives.TorchTransport` (or alone when no process group is
@@ -20,8 +20,8 @@ each bucket's anchor and this rank's error accumulator; :meth:`step_traffic` giv
 """
 
 
-from slamb_comm import sparseloco as core
-from slamb_comm.periodic import DEFAULT_INTERVAL
+from slamb_comm.methods import sparseloco as core
+from slamb_comm.methods.periodic import DEFAULT_INTERVAL
 
 from .periodic import OuterLoop
 

@@ -10,8 +10,8 @@ import numpy as np
 
 sys.path.insert(0, "examples")
 import common  # noqa: E402
-from slamb_comm.codecs import Layout  # noqa: E402
-from slamb_comm.masks import CyclicMask  # noqa: E402
+from slamb_comm.wire.codecs import Layout  # noqa: E402
+from slamb_comm.wire.masks import CyclicMask  # noqa: E402
 
 named = list(common.tiny_transformer().named_parameters())
 lay = Layout([p.shape for _, p in named], np.float32, names=[n for n, _ in named])

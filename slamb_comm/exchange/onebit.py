@@ -14,7 +14,7 @@ one scale per rank and per chunk, in two phases, as DeepSpeed's ``compressed_all
 It is built on a :class:`~slamb_comm.Communicator` (its transport, layout, value dtype and
 statistics) and needs a transport with ``alltoall``. :meth:`OneBitExchange.of` gives the one
 exchange of a communicator (made at first use and kept on it), so a communicator method is one
-line, and shares its error buffers with :class:`~slamb_comm.onebit_lamb.OneBitLambRule`::
+line, and shares its error buffers with :class:`~slamb_comm.methods.onebit_lamb.OneBitLambRule`::
 
     def onebit_allreduce(self, x):
         return OneBitExchange.of(self).allreduce(x)
@@ -22,7 +22,7 @@ line, and shares its error buffers with :class:`~slamb_comm.onebit_lamb.OneBitLa
 Costs: 1/32 of a dense fp32 allreduce's bytes on the links (plus 16 bytes of header per block);
 the worker error (N' elements) and the server error (N'/P) in ``promote(dtype, float32)``. On
 the CPU, whole-buffer NumPy operations and scratch of one compensated copy of the buffer per
-call. On a device (:class:`DeviceWire`, the kernels of :mod:`slamb_comm.onebit_kernels`): four
+call. On a device (:class:`DeviceWire`, the kernels of :mod:`slamb_comm.device.onebit_kernels`): four
 launches besides the two collectives, whatever the number of tensors and whether ``x`` is one
 fused buffer or a list of arrays (read and written where they are), about 33 bytes of device
 traffic per float32 element at two ranks, one host read, and no copy to the device once a
@@ -41,13 +41,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
-from . import device as _dev
-from . import onebit_kernels as _ok
-from .codecs import LazyTensors
-from .errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
-from .kernels import TILE
-from .stats import Traffic, allgather_wire, alltoall_wire
+from .. import arrays as _arr
+from ..device import tables as _dev
+from ..device import onebit_kernels as _ok
+from ..wire.codecs import LazyTensors
+from ..errors import (
+    collective_error,
+    STATUS_BAD_INPUT,
+    STATUS_NON_FINITE,
+    ConfigError,
+    LayoutError,
+    LayoutMismatchError,
+    NonFiniteError,
+)
+from ..device.kernels import TILE
+from ..wire.stats import Traffic, allgather_wire, alltoall_wire
 
 __all__ = ["OneBitExchange", "DeviceWire", "pack_signs", "unpack_signs", "padded_size"]
 
@@ -100,7 +108,7 @@ def _round8(n):
 
 def tree_depth(n):
     """H, the depth of NumPy's pairwise tree over ``n`` elements (a multiple of 8) at which every node is
-    a leaf (the device's tree passes, :mod:`slamb_comm.onebit_kernels`, sum ``2^H`` slots)."""
+    a leaf (the device's tree passes, :mod:`slamb_comm.device.onebit_kernels`, sum ``2^H`` slots)."""
     if n % 8:
         raise ValueError(f"the tree passes take a multiple of 8 elements, got {n}")
     sizes, depth = {n}, 0
@@ -238,7 +246,7 @@ class OneBitExchange:
         self._on_host = we is not None
 
     def _load_resized(self, state):
-        """A state :func:`slamb_comm.resize.resize` made from P other ranks' (docs/algorithm.md
+        """A state :func:`slamb_comm.methods.resize.resize` made from P other ranks' (docs/algorithm.md
         section 10): the averaged worker errors padded to this N', and this rank's chunk of the
         concatenated server errors, cut for this number of ranks."""
         old = int(state["resized_from"])
@@ -524,7 +532,7 @@ class DeviceWire:
         return args, nw, writes
 
     def encode(self, xp, tiles, x, e):
-        """Phase 1's encoding of the exchange's input ``x`` (:class:`~slamb_comm.onebit_kernels.Tensors`;
+        """Phase 1's encoding of the exchange's input ``x`` (:class:`~slamb_comm.device.onebit_kernels.Tensors`;
         None on a rank that rejected its input: zeros, status 1) plus the worker error ``e`` (None before
         the first exchange: zeros): ``c``, its signs, its scale and status into every block's header."""
         ex = self.ex
@@ -560,7 +568,7 @@ class DeviceWire:
         return _arr.to_host(self.words).tolist()
 
     def decode(self, xp, tiles, x, e, es):
-        """The result, ``σ_k sgn(u_k)`` on chunk k, into the tensors ``x`` (:class:`~slamb_comm.onebit_kernels.
+        """The result, ``σ_k sgn(u_k)`` on chunk k, into the tensors ``x`` (:class:`~slamb_comm.device.onebit_kernels.
         Tensors`), and the errors ``e``, ``es`` committed in place from ``c`` and ``u``: one launch."""
         ex = self.ex
         lay, acc, Np, nc = ex.layout, ex.acc_dtype, ex.padded, ex.chunk

@@ -12,11 +12,11 @@ loop (docs/algorithm.md section 12) with the pseudo-gradient sent sparse: every
 
 * :class:`SparseLoCo`: TopK keeps, per chunk of ``chunk`` consecutive elements of the fused
   buffer, the ``topk`` entries of largest ``|e_r|``; Q rounds them to ``bits`` bits with one
-  float32 scale per chunk (:class:`~slamb_comm.chunk_topk.ChunkTopK`). Every rank picks its own positions, so the
+  float32 scale per chunk (:class:`~slamb_comm.wire.chunk_topk.ChunkTopK`). Every rank picks its own positions, so the
   payloads travel in one all-gather of ``ChunkTopK.nbytes`` bytes per rank: the wire per link
   is ``(P - 1) * nbytes`` and grows with the number of ranks.
 * :class:`SharedMaskSparseLoCo`: TopK is replaced by the shared cyclic mask M_j of outer step
-  j (:class:`~slamb_comm.masks.CyclicMask`, docs/algorithm.md section 1 step 2), the same
+  j (:class:`~slamb_comm.wire.masks.CyclicMask`, docs/algorithm.md section 1 step 2), the same
   positions on every rank, so the exchange is ONE allreduce of the ``|M_j|`` values (in
   ``value_dtype``, float16 by default) whatever P: wire ``2 (P - 1)/P * (|M_j| + 1) * itemsize``.
   No b-bit code is sent there: a sum of P codes needs ``b + log2 P`` bits and the ranks' scales
@@ -37,7 +37,7 @@ log2 C(4096, 64) / 64 = 7.4 bits per index and is not done. At the defaults (chu
 topk 64, 2 bits) a chunk costs 64 x 14 bits + a 4-byte scale = 116 bytes for 16,384 bytes of
 float32: 0.71% of a dense step's payload per outer step, 0.014% per inner step at H = 50.
 
-The three classes share :mod:`slamb_comm.periodic`'s construction (collective agreement on arrays and
+The three classes share :mod:`slamb_comm.methods.periodic`'s construction (collective agreement on arrays and
 options, x broadcast from rank 0), state (``anchor``, equal on every rank; ``error``, per rank)
 and checks: a rank with bad input or a non-finite accumulator flags its status word, and every
 rank raises (PeerError, the rank's own error, or NonFiniteError) with nothing changed.
@@ -47,14 +47,21 @@ import time
 
 import numpy as np
 
-from . import arrays as _arr
-from .chunk_topk import ChunkTopK, int_in, pack_bits, pad8, unpack_bits
-from .codecs import Layout, check_ratio
-from .communicator import Communicator
-from .errors import (
-    collective_error,STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, SlambCommError)
+from .. import arrays as _arr
+from ..wire.chunk_topk import ChunkTopK, int_in, pack_bits, pad8, unpack_bits
+from ..wire.codecs import Layout, check_ratio
+from ..exchange.communicator import Communicator
+from ..errors import (
+    collective_error,
+    STATUS_BAD_INPUT,
+    STATUS_NON_FINITE,
+    STATUS_OK,
+    ConfigError,
+    DTypeError,
+    SlambCommError,
+)
 from .periodic import DEFAULT_INTERVAL, check_number, host_copy, Periodic, check_interval
-from .stats import Traffic, allgather_wire, allreduce_wire, broadcast_wire
+from ..wire.stats import Traffic, allgather_wire, allreduce_wire, broadcast_wire
 
 __all__ = ["SparseLoCo", "SharedMaskSparseLoCo", "SharedTopKSparseLoCo"]
 
@@ -159,7 +166,7 @@ class SparseLoCo(_SparseOuter):
         outer_lr: applied to the mean of the sparse updates (default 1.0).
         beta: the error feedback's decay in [0, 1] (default 0.95).
         chunk, topk, bits: the wire format (:class:`ChunkTopK`): 4096, 64 (1.56%), 2.
-        names, bucket_bytes: as :class:`~slamb_comm.periodic.DiLoCo`.
+        names, bucket_bytes: as :class:`~slamb_comm.methods.periodic.DiLoCo`.
 
     Attributes: ``anchor`` (fused, equal on every rank), ``error`` (this rank's accumulator),
     ``codec``, ``t``, ``stats`` (kind ``'sparseloco_allgather'``).
@@ -339,7 +346,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
     The leader's offsets travel as ``ceil(log2 chunk)``-bit fields (12 bits at 4096), chunk by
     chunk as in :class:`ChunkTopK` (an entry's chunk is implied by its place), behind an 8-byte
     header holding the leader's status word; the values go in ``value_dtype`` (float16 by default)
-    through :meth:`~slamb_comm.communicator.Communicator.reduce_checked`, as in
+    through :meth:`~slamb_comm.exchange.communicator.Communicator.reduce_checked`, as in
     :class:`SharedMaskSparseLoCo`. Against SparseLoCo's all-gather (``(P - 1)`` payloads on each
     link), the wire per link is ``index_bytes`` (a pipelined broadcast) plus
     ``2 (P - 1)/P * value_bytes`` at any P.

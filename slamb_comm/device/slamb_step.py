@@ -1,9 +1,9 @@
 """SLAMB's step on a device: a few kernels whatever the number of tensors (the GPU path of :meth:`SlambRule.step`).
 
-:class:`~slamb_comm.slamb.SlambRule` does its CPU step tensor by tensor, in cache-sized blocks. On a
+:class:`~slamb_comm.methods.slamb.SlambRule` does its CPU step tensor by tensor, in cache-sized blocks. On a
 device a step is bound by memory traffic and launches, so :class:`DeviceStep` runs the same step
 (docs/algorithm.md section 1: the same positions, the same payload bits) as the kernels of
-:mod:`slamb_comm.kernels` over a table of tiles:
+:mod:`slamb_comm.device.kernels` over a table of tiles:
 
 1. ``slamb_pack``: the gradient read once (NaN, Inf or a square that overflows v sets the status
    word), this rank's new momentum on M_t written into the payload;
@@ -50,10 +50,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
-from . import device as _dev
+from .. import arrays as _arr
+from . import tables as _dev
 from . import kernels as _k
-from .errors import LayoutError, NonFiniteError
+from ..errors import LayoutError, NonFiniteError
 
 __all__ = ["DeviceStep", "Plan", "applies", "MAX_LEVELS"]
 
@@ -230,11 +230,11 @@ class _Pending(NamedTuple):
     t: int
     stamp: np.uint32  # the attempt, as the pack kernel marked its bad tensors
     plan: Plan
-    lookback: object  # the device's verdict, on its way to the host (:class:`~slamb_comm.device.Lookback`)
+    lookback: object  # the device's verdict, on its way to the host (:class:`~slamb_comm.device.tables.Lookback`)
 
 
 class DeviceStep:
-    """The device state and kernels of one :class:`~slamb_comm.slamb.SlambRule`'s fused step: the
+    """The device state and kernels of one :class:`~slamb_comm.methods.slamb.SlambRule`'s fused step: the
     plans, the tables of addresses, the payload, the partial sums and the rates. Its owner calls
     :meth:`open_step` and :meth:`close_step`; adapters that overlap the exchange with the backward pass
     call :meth:`pack` per group of tensors, run their own collectives on :meth:`payload`, check them, then
@@ -273,7 +273,7 @@ class DeviceStep:
 
     def addresses(self, xp, role, a):
         """The device table of addresses of ``a`` (a fused buffer, a list of arrays, or
-        :class:`~slamb_comm.device.Addresses`), copied to the device only when they are new."""
+        :class:`~slamb_comm.device.tables.Addresses`), copied to the device only when they are new."""
         return self._tables.table(xp, role, a)
 
     def _scratch(self, xp, name, n, dtype):
@@ -511,7 +511,7 @@ class _OpenStep(NamedTuple):
     t: int
 
 
-#: the kernels' flags (``SLAMB_W_*`` of slamb_comm/kernels.py): their number, the update's non-finite
+#: the kernels' flags (``SLAMB_W_*`` of slamb_comm/device/kernels.py): their number, the update's non-finite
 #: flag, and the verdict that a step changes nothing
 WORDS, XBAD, SKIP = 4, 2, 3
 

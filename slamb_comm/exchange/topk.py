@@ -2,10 +2,10 @@
 
 :meth:`TopKExchange.sparse_allgather` (docs/algorithm.md section 2) and its error buffer: the
 compensated gradient ``c = x + e``, each tensor's largest ``|c|`` on the wire
-(:class:`~slamb_comm.codecs.TopKWire`), the mean of every rank's decoded payload, and the
+(:class:`~slamb_comm.wire.codecs.TopKWire`), the mean of every rank's decoded payload, and the
 residual ``e = c - sent`` committed at once or later (:meth:`TopKExchange.commit_residual`).
-On a device every step is a kernel of :mod:`slamb_comm.topk_kernels`; on the CPU, tensor by
-tensor. A mixin of :class:`~slamb_comm.communicator.Communicator`, whose layout, transport,
+On a device every step is a kernel of :mod:`slamb_comm.device.topk_kernels`; on the CPU, tensor by
+tensor. A mixin of :class:`~slamb_comm.exchange.communicator.Communicator`, whose layout, transport,
 status words and statistics it uses; kept apart so that each module holds one exchange.
 """
 
@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
-from .errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
-from .codecs import LazyTensors, topk_indices
-from .stats import Traffic, allgather_wire
+from .. import arrays as _arr
+from ..errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
+from ..wire.codecs import LazyTensors, topk_indices
+from ..wire.stats import Traffic, allgather_wire
 
 __all__ = ["TopKExchange"]
 
@@ -41,14 +41,14 @@ class TopKExchange:
         ``c = x + e``; send each tensor's ``k_elems`` largest ``|c|``; ``e = c - sent``;
         return the mean over ranks of every rank's decoded payload, identical on every
         rank. ``x`` itself is not modified. On a GPU, the kernels of
-        :mod:`slamb_comm.topk_kernels`, every tensor at once (a list ``x`` is read where it is):
+        :mod:`slamb_comm.device.topk_kernels`, every tensor at once (a list ``x`` is read where it is):
         the compensation, the exact radix select and the payload (float32: 4 kernels), the
         allgather, one host read (every rank's status word), one kernel writing the mean: 8
         device operations and about 30 bytes per element (17 where every tensor fits in 32 KB),
         whatever the number of tensors; no copy to the device after the first call (but of a
         list's addresses when they are new); scratch: ``c``, which becomes the error buffer. On
         the CPU, where there are no launches to save, every step goes tensor by tensor (scratch:
-        one tensor), with a linear-time top-k (:func:`~slamb_comm.codecs.topk_indices`).
+        one tensor), with a linear-time top-k (:func:`~slamb_comm.wire.codecs.topk_indices`).
 
         ``commit=False`` leaves the error buffer as it was until :meth:`commit_residual`
         (with ``x`` unchanged until then), so that a caller exchanging several buckets can
@@ -101,7 +101,7 @@ class TopKExchange:
         return w.device(xp).encode(arrays, self._residual(xp), idx, val, status, True)
 
     def _topk_traffic(self, encode_s, comm_s, decode_s):
-        """One top-k exchange's :class:`~slamb_comm.stats.Traffic` (an allgather of the wire)."""
+        """One top-k exchange's :class:`~slamb_comm.wire.stats.Traffic` (an allgather of the wire)."""
         lay, w = self.layout, self.wire
         return Traffic.one_call(payload_bytes=w.nbytes, wire_bytes=allgather_wire(w.nbytes, self.size),
                                 dense_bytes=lay.total * lay.dtype.itemsize, size=self.size, elements_sent=w.k_total,
@@ -171,7 +171,7 @@ class TopKExchange:
 
     def _encode_host(self, views, e, idx, val):
         """On the CPU, per tensor: ``c = x + e`` (a tensor-sized temporary), its finiteness, its
-        top-k (:func:`~slamb_comm.codecs.topk_indices`, linear time) into the payload. Returns
+        top-k (:func:`~slamb_comm.wire.codecs.topk_indices`, linear time) into the payload. Returns
         whether every tensor was finite; stops at the first that is not (the exchange then
         fails on every rank and its payload is not read)."""
         lay, w = self.layout, self.wire

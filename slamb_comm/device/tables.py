@@ -1,6 +1,6 @@
 """Reading a layout's tensors where they are on a device: tiles, tables of addresses, copies.
 
-The device kernels (:mod:`slamb_comm.kernels`) work on a layout's tensors wherever they live --
+The device kernels (:mod:`slamb_comm.device.kernels`) work on a layout's tensors wherever they live --
 one fused buffer, a list of arrays, a framework's own tensors -- through a table of device
 addresses, one per tensor, and a table of tiles (``TILE`` consecutive elements of one tensor), so
 that one launch covers every tensor:
@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
+from .. import arrays as _arr
 from . import kernels as _k
-from .errors import LayoutError
+from ..errors import LayoutError
 
 __all__ = ["Addresses", "AddressTables", "Lookback", "Tiles", "Tensors", "copy_range", "dummy", "tensors", "table_bytes", "tiled",
            "GRID", "KEEP"]
@@ -200,7 +200,7 @@ class Tensors(NamedTuple):
 
 def tensors(xp, tables, role, a, dtype):
     """``a``, a fused buffer (no table: a new buffer every step costs no copy) or a list of arrays (their table of
-    addresses from ``tables``, a :class:`~slamb_comm.device.AddressTables`: copied when the addresses are new)."""
+    addresses from ``tables``, a :class:`~slamb_comm.device.tables.AddressTables`: copied when the addresses are new)."""
     if isinstance(a, (list, tuple)):
         return Tensors(tables.table(xp, role, a), dummy(xp, dtype), np.int32(0))
     return Tensors(dummy(xp, np.uint64), a, np.int32(1))

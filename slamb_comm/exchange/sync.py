@@ -1,8 +1,8 @@
-"""The dense parameter sync of a :class:`~slamb_comm.communicator.Communicator`
+"""The dense parameter sync of a :class:`~slamb_comm.exchange.communicator.Communicator`
 (docs/algorithm.md section 3): SLAMB's periodic average and the dense baseline.
 
 :class:`ParameterSync` is a base class of ``Communicator`` (as
-:class:`~slamb_comm.topk_exchange.TopKExchange` is): it uses the communicator's layout,
+:class:`~slamb_comm.exchange.topk.TopKExchange` is): it uses the communicator's layout,
 transport, statistics and input checks.
 """
 
@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 
-from . import arrays as _arr
-from . import device as _dev
-from .codecs import LazyTensors
-from .stats import Traffic, allreduce_wire
+from .. import arrays as _arr
+from ..device import tables as _dev
+from ..wire.codecs import LazyTensors
+from ..wire.stats import Traffic, allreduce_wire
 
 __all__ = ["ParameterSync"]
 

@@ -1,12 +1,12 @@
 """1-bit LAMB's step on a device (docs/onebit_lamb.md section 5): :class:`LambOnDevice`, the
-device state of one :class:`~slamb_comm.onebit_lamb.OneBitLambRule` beyond m, v and f, and the
-launches of :mod:`slamb_comm.onebit_kernels`' kernels for its step. The rule decides what runs;
+device state of one :class:`~slamb_comm.methods.onebit_lamb.OneBitLambRule` beyond m, v and f, and the
+launches of :mod:`slamb_comm.device.onebit_kernels`' kernels for its step. The rule decides what runs;
 this module only launches, declaring the bytes each launch moves."""
 
 import numpy as np
 
-from . import arrays as _arr
-from . import device as _dev
+from .. import arrays as _arr
+from . import tables as _dev
 from . import onebit_kernels as _ok
 from .kernels import TILE
 
@@ -91,7 +91,7 @@ class LambOnDevice:
 
     def comp(self, xp, x, g, w, errors, corrections):
         """The compression stage's moments (docs/onebit_lamb.md section 2.3, steps 4-9): M
-        decoded from phase 2's blocks (``w``, the exchange's :class:`~slamb_comm.onebit.DeviceWire`;
+        decoded from phase 2's blocks (``w``, the exchange's :class:`~slamb_comm.exchange.onebit.DeviceWire`;
         None at P = 1: M from m and ``g``), m, f, each tile's largest ratio and norms; then the
         error buffers (``errors``: worker, server) committed in place from ``w.c`` and ``w.u``."""
         opt, N, isz, ex = self.opt, self.N, self.isz, self.opt.exchange
@@ -138,7 +138,7 @@ class LambOnDevice:
                      [("partials", 24 * tiles.count), ("gamma", 8 * self.T)])
 
     def encode(self, xp, w, g, e):
-        """Phase 1's encoding (into the exchange's :class:`~slamb_comm.onebit.DeviceWire` ``w``) of the
+        """Phase 1's encoding (into the exchange's :class:`~slamb_comm.exchange.onebit.DeviceWire` ``w``) of the
         scaled momentum ``M = γ (β1 m + (1 - β1) g)`` (docs/onebit_lamb.md section 2.3, step 2), computed from m
         and this rank's gradient ``g`` without storing it, plus the worker error ``e`` (None: zeros)."""
         opt, N, isz, dt = self.opt, self.N, self.isz, self.lay.dtype

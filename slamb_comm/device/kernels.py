@@ -1,6 +1,6 @@
 """The device kernels of SLAMB's fused step: one CUDA C source that also compiles for the host.
 
-A GPU optimizer step is bound by device-memory traffic, so :mod:`slamb_comm.fused` runs SLAMB's
+A GPU optimizer step is bound by device-memory traffic, so :mod:`slamb_comm.device.slamb_step` runs SLAMB's
 step (docs/algorithm.md section 1) as four kernels over a table of tiles, in the manner of
 apex's FusedLAMB and torch's ``multi_tensor_apply``:
 
@@ -86,7 +86,7 @@ SLAMB_DEV double slamb_sqrt(double x) { return sqrt(x); }
 #endif
 
 /* a trust ratio: clamp(||x|| / ||u||, c_min, c_max), 1 where either norm is 0 (SLAMB and 1-bit LAMB;
-   slamb_comm.tensorwise.trust_ratio on the host) */
+   slamb_comm.methods.tensorwise.trust_ratio on the host) */
 SLAMB_DEV double slamb_trust_ratio(double xn, double un, double c_min, double c_max) {
   if (xn > 0.0 && un > 0.0) {
     const double r = xn / un;

@@ -21,7 +21,7 @@ lists, tuples, arrays, torch tensors, numbers) and builds the state of new rank 
   rank number, strings) goes to new rank ``rank`` from old rank ``rank mod P``, with a warning
   naming it: there is no mean of those.
 
-P' = P is not a resize: :func:`slamb_comm.checkpoint.load` then returns each rank its own
+P' = P is not a resize: :func:`slamb_comm.methods.checkpoint.load` then returns each rank its own
 state, bitwise. Nothing here communicates: every new rank reads every old rank's file and
 computes the same means (the same float64 sums in the same order), so every rank's kept and
 averaged values are bitwise equal.

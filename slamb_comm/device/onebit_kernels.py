@@ -1,9 +1,9 @@
 """The device kernels of the 1-bit exchange and of 1-bit LAMB's step (docs/onebit_lamb.md section 5).
 
-One source after :data:`slamb_comm.kernels.PRELUDE`, in its dialect (NVRTC compiles it on a GPU, the
+One source after :data:`slamb_comm.device.kernels.PRELUDE`, in its dialect (NVRTC compiles it on a GPU, the
 tests' strict CuPy double the same text on the host), and the helpers of the launches, which live
-with their callers: :class:`slamb_comm.onebit.DeviceWire` (the exchange) and 1-bit LAMB's step in
-:mod:`slamb_comm.onebit_device`. Every pass reads the layout's tensors where they are (a fused buffer,
+with their callers: :class:`slamb_comm.exchange.onebit.DeviceWire` (the exchange) and 1-bit LAMB's step in
+:mod:`slamb_comm.device.onebit_step`. Every pass reads the layout's tensors where they are (a fused buffer,
 or a table of device addresses, one per tensor), so no launch count depends on the number of tensors:
 
 * ``ob_encode_x`` / ``ob_encode_m``: a worker's ``c = x + e`` (x the exchange's input, or 1-bit
@@ -14,7 +14,7 @@ or a table of device addresses, one per tensor), so no launch count depends on t
 * ``ob_decode``: the result into the caller's tensors, both error buffers committed in place;
 * ``ob_scan``, ``ob_warm`` / ``ob_comp``, ``ob_coeffs``, ``ob_update``, ``ob_gamma``: 1-bit LAMB's
   gradient check, moments (``ob_comp`` decodes M and commits the errors), per-tensor coefficients
-  from per-tile float64 partials (as :mod:`slamb_comm.fused`), update, and scaling factors.
+  from per-tile float64 partials (as :mod:`slamb_comm.device.slamb_step`), update, and scaling factors.
 
 **The scales are NumPy's bits.** ``||c||²`` is summed in float64 in exactly the tree of NumPy's
 pairwise summation (``pairwise_sum``, numpy/_core/src/umath/loops_utils.h.src: a range of more than
@@ -26,7 +26,7 @@ and on a GPU alike; 1-bit LAMB's per-tensor norms agree within float rounding.
 
 import numpy as np
 
-from . import device as _dev
+from . import tables as _dev
 from . import kernels as _k
 
 __all__ = ["SOURCE", "KERNELS", "name", "launch"]
@@ -572,6 +572,6 @@ def name(kind, *dtypes):
 
 
 def launch(xp, kernel, grid, args, reads, writes):
-    """One launch of ``kernel`` (at most :data:`slamb_comm.device.GRID` blocks; ``reads``/``writes`` as in
-    :func:`slamb_comm.kernels.launch`)."""
+    """One launch of ``kernel`` (at most :data:`slamb_comm.device.tables.GRID` blocks; ``reads``/``writes`` as in
+    :func:`slamb_comm.device.kernels.launch`)."""
     _k.launch(xp, kernel, min(max(1, int(grid)), _dev.GRID), args, reads, writes, source=SOURCE)

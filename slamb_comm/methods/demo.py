@@ -27,13 +27,22 @@ import time
 
 import numpy as np
 
-from . import arrays as _arr
-from .codecs import Layout
-from .errors import (
-    collective_error,STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, ConfigError, DTypeError, LayoutError,
-                     LayoutMismatchError, NonFiniteError, PeerError)
-from .stats import Stats, Traffic, allgather_wire
-from .transports import LocalTransport
+from .. import arrays as _arr
+from ..wire.codecs import Layout
+from ..errors import (
+    collective_error,
+    STATUS_BAD_INPUT,
+    STATUS_NON_FINITE,
+    STATUS_OK,
+    ConfigError,
+    DTypeError,
+    LayoutError,
+    LayoutMismatchError,
+    NonFiniteError,
+    PeerError,
+)
+from ..wire.stats import Stats, Traffic, allgather_wire
+from ..exchange.transports import LocalTransport
 
 __all__ = ["DCTChunks", "DeMo", "dct_matrix"]
 
@@ -59,7 +68,7 @@ class DCTChunks:
     """The DCT chunk codec of a fixed list of tensors (see the module docstring, steps 2-4, 6).
 
     Args:
-        layout: a :class:`~slamb_comm.codecs.Layout` (or a list of arrays: their shapes and dtype).
+        layout: a :class:`~slamb_comm.wire.codecs.Layout` (or a list of arrays: their shapes and dtype).
         chunk: s, the chunk side (>= 1).
         topk: k, the coefficients kept per ``s x s`` block, 1 <= k <= s^2 (``min(k, s)`` per 1-D run).
         value_dtype: the payload's values, 'float32' (default), 'float16' or 'float64'.
@@ -195,7 +204,7 @@ class DeMo:
     """DeMo's state and step for a fixed list of arrays over a transport (docs/algorithm.md section 13).
 
     Args:
-        transport: a transport (:class:`~slamb_comm.transports.MPITransport`, ...), or None for
+        transport: a transport (:class:`~slamb_comm.exchange.transports.MPITransport`, ...), or None for
             one process. Construction is collective: ranks check they share layout and options.
         arrays: the parameters (their shapes and dtype: float32 or float64), or a Layout.
         lr: learning rate (the signum step's size). Default 4e-4, the authors' OLMo configs.

@@ -1,15 +1,15 @@
 """The top-k exchange's launches on a device: :class:`Plan`, the tables, scratch and launches of
-:mod:`slamb_comm.topk_kernels`' radix select for one :class:`~slamb_comm.codecs.TopKWire` on one
+:mod:`slamb_comm.device.topk_kernels`' radix select for one :class:`~slamb_comm.wire.codecs.TopKWire` on one
 device. The kernels and their algorithm are described there."""
 
 from typing import NamedTuple
 
 import numpy as np
 
-from . import device as _dev
+from . import tables as _dev
 from . import kernels as _k
 from .kernels import TILE
-from .errors import STATUS_NON_FINITE
+from ..errors import STATUS_NON_FINITE
 from .topk_kernels import CODES, SEG_BYTES, SOURCE, schedule
 
 __all__ = ["Plan"]
@@ -54,7 +54,7 @@ class _State(NamedTuple):
 
 
 class Plan:
-    """The top-k exchange's kernels for one :class:`~slamb_comm.codecs.TopKWire` on one device:
+    """The top-k exchange's kernels for one :class:`~slamb_comm.wire.codecs.TopKWire` on one device:
     its tables (one host-to-device copy, at the first launch), its scratch, its launches
     (:meth:`encode`, :meth:`select`, :meth:`decode`)."""
 
@@ -105,7 +105,7 @@ class Plan:
     def _input(self, x):
         """``(list?, fused buffer, table of addresses)`` of ``x``: a fused buffer of the layout, or a
         list of its tensors' arrays (their addresses copied to the device when they are new; the
-        last :data:`slamb_comm.device.KEEP` tables are kept)."""
+        last :data:`slamb_comm.device.tables.KEEP` tables are kept)."""
         lay, xp = self.layout, self.xp
         if hasattr(x, "shape"):
             if self._tables is None:

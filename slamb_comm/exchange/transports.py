@@ -27,8 +27,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .arrays import is_cupy, synchronize
-from .errors import DTypeError
+from ..arrays import is_cupy, synchronize
+from ..errors import DTypeError
 
 __all__ = ["Transport", "MPITransport", "NCCLTransport", "LocalTransport", "mpi_cuda_support"]
 

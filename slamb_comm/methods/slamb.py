@@ -29,8 +29,8 @@ What it costs (N parameters, fp32):
   the device.
 * **Time on the CPU**: cache-sized blocks; the moments, the direction and the norms in one
   pass over each tensor, the update in a second.
-* **On a GPU**: :mod:`slamb_comm.fused` runs the step as a few kernels over a table of tiles
-  (:mod:`slamb_comm.kernels`), on a fused buffer or a list of arrays alike: about 46 bytes of
+* **On a GPU**: :mod:`slamb_comm.device.slamb_step` runs the step as a few kernels over a table of tiles
+  (:mod:`slamb_comm.device.kernels`), on a fused buffer or a list of arrays alike: about 46 bytes of
   device traffic per parameter (``AdamW(fused=True)``: 28), 7 device operations at any number of
   tensors, m and v plus the payload in memory (about 8.4 bytes per parameter), no host-to-device
   copy once its tables are built, no host read.
@@ -66,11 +66,10 @@ import math
 
 import numpy as np
 
-from . import arrays as _arr
-from . import fused as _fused
-from .deprecation import renamed
-from .errors import ConfigError, LayoutError, NonFiniteError
-from .tensorwise import TensorwiseStep, _views  # _views: the one check of a step's inputs, shared
+from .. import arrays as _arr
+from ..device import slamb_step as _fused
+from ..errors import ConfigError, LayoutError, NonFiniteError
+from .tensorwise import TensorwiseStep, _views
 
 __all__ = ["SlambRule"]
 
@@ -101,7 +100,7 @@ class SlambRule(TensorwiseStep):
             rank's pieces. Each step then sums every tensor's squared norms over the shard group
             (4 floats per tensor) so that the trust ratios are the whole tensors', and agrees on a
             non-finite step over it; ``P`` in the stale rate is the number of replicas. On a
-            device the kernels of :mod:`slamb_comm.fused` take it too (the sums between kernels 2
+            device the kernels of :mod:`slamb_comm.device.slamb_step` take it too (the sums between kernels 2
             and 3).
 
     One whole step is :meth:`step`. For overlapping communication with the backward
@@ -161,11 +160,11 @@ class SlambRule(TensorwiseStep):
         self._host = None  # state restored by load_state_dict, moved to the device on first use
         self._scratch = {}
         self._counts = self._starts = None  # M_t's count per tensor and the payload's starts (the CPU path)
-        #: whether :meth:`step` takes the device kernels (:mod:`slamb_comm.fused`) for device arrays:
+        #: whether :meth:`step` takes the device kernels (:mod:`slamb_comm.device.slamb_step`) for device arrays:
         #: None (default) where they apply, False never (tensor by tensor); NumPy arrays always go
         #: tensor by tensor (cache-sized blocks are the fast way on a CPU)
         self.fused = None
-        #: the fused step's device state (plans, address tables, payload): :class:`~slamb_comm.fused.DeviceStep`
+        #: the fused step's device state (plans, address tables, payload): :class:`~slamb_comm.device.slamb_step.DeviceStep`
         self.device = _fused.DeviceStep(self)
         self._device_open = None  # the device step between exchange_step and apply_step
 
@@ -404,8 +403,8 @@ class SlambRule(TensorwiseStep):
 
         ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
         read sequences, with ``written`` as in :meth:`apply`; ``g`` also
-        :class:`~slamb_comm.device.Addresses`). On a device the step runs as the kernels of
-        :mod:`slamb_comm.fused` (a constant number of device operations whatever the number of
+        :class:`~slamb_comm.device.tables.Addresses`). On a device the step runs as the kernels of
+        :mod:`slamb_comm.device.slamb_step` (a constant number of device operations whatever the number of
         tensors; :attr:`fused` chooses); on the CPU tensor by tensor. ``skip``: tensors without a
         gradient on every rank (the same on every rank; see :meth:`apply`); they still take part
         in the exchange with whatever ``g`` holds for them (zeros). It is :meth:`exchange_step`
@@ -509,6 +508,3 @@ def _check_options(layout, betas, beta3, sync_interval, c_min, c_max, eps, on_no
     if on_nonfinite not in ("skip", "raise"):
         raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
 
-
-# the name before the rename: the core's rule and the torch optimizer no longer differ by case alone
-__getattr__ = renamed(__name__, Slamb=SlambRule)

@@ -30,11 +30,11 @@ import time
 
 import numpy as np
 
-from . import arrays as _arr
-from .codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
-from .masks import BLOCK, check_block, make_mask
+from .. import arrays as _arr
+from ..wire.codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
+from ..wire.masks import BLOCK, check_block, make_mask
 from .onebit import OneBitExchange
-from .errors import (
+from ..errors import (
     collective_error,
     ConfigError,
     DTypeError,
@@ -47,9 +47,9 @@ from .errors import (
     PeerError,
     SlambCommError,
 )
-from .stats import Stats, Traffic, allreduce_wire
+from ..wire.stats import Stats, Traffic, allreduce_wire
 from .sync import ParameterSync
-from .topk_exchange import TopKExchange
+from .topk import TopKExchange
 from .transports import LocalTransport
 
 __all__ = ["Communicator"]
@@ -80,11 +80,11 @@ class Communicator(ParameterSync, TopKExchange):
     """Sparse and dense exchanges of one fixed set of arrays among all ranks of a transport.
 
     Args:
-        transport: an :class:`~slamb_comm.transports.MPITransport`,
-            :class:`~slamb_comm.transports.NCCLTransport`, a Horovod transport, or
-            ``None`` for a single process (:class:`~slamb_comm.transports.LocalTransport`).
+        transport: an :class:`~slamb_comm.exchange.transports.MPITransport`,
+            :class:`~slamb_comm.exchange.transports.NCCLTransport`, a Horovod transport, or
+            ``None`` for a single process (:class:`~slamb_comm.exchange.transports.LocalTransport`).
         arrays: the arrays to exchange (only shapes and the dtype are used here), or a
-            :class:`~slamb_comm.codecs.Layout`.
+            :class:`~slamb_comm.wire.codecs.Layout`.
         names: optional tensor names for error messages.
         ratio: the fraction k in (0, 1] that sparse exchanges send (mask size, top-k count).
         mask: 'cyclic' (default, bounded staleness), 'bernoulli', or 'topk' (union of the
@@ -101,7 +101,7 @@ class Communicator(ParameterSync, TopKExchange):
         block: run length of the cyclic mask. 1 (default) permutes single elements, as
             docs/algorithm.md section 1 says; a larger value (e.g. 256) permutes runs of that
             many contiguous elements, so the masked allreduce's gather and scatter copy
-            whole runs instead of scattered elements (see :class:`~slamb_comm.masks.CyclicMask`).
+            whole runs instead of scattered elements (see :class:`~slamb_comm.wire.masks.CyclicMask`).
         bucket_bytes: the most scratch :meth:`sync` uses (default 32 MiB): arrays larger
             than that are averaged in several allreduces.
         topk_dense: if True, :meth:`sparse_allgather` sends the always-dense tensors (see
@@ -397,7 +397,7 @@ class Communicator(ParameterSync, TopKExchange):
 
     # ------------------------------------------------------------------ operations
     def select(self, step, xp=np, views=None):
-        """M_t of ``step`` as a :class:`~slamb_comm.masks.Selection` (for the topk mask a
+        """M_t of ``step`` as a :class:`~slamb_comm.wire.masks.Selection` (for the topk mask a
         collective over ``views``, this rank's data: every rank must call it)."""
         if self.mask_kind == "topk":
             if views is None:  # a rank that rejected its input still takes part, with dummy picks
@@ -423,7 +423,7 @@ class Communicator(ParameterSync, TopKExchange):
         return x, sel.index
 
     def masked_traffic(self, payload_bytes, elements_sent, encode_s=0.0, comm_s=0.0, decode_s=0.0):
-        """The :class:`~slamb_comm.stats.Traffic` of one masked allreduce of ``payload_bytes`` (its
+        """The :class:`~slamb_comm.wire.stats.Traffic` of one masked allreduce of ``payload_bytes`` (its
         status words included) carrying ``elements_sent`` values, against a dense allreduce of the
         layout (docs/algorithm.md section 4): every masked exchange's record, whoever runs it (this
         communicator, SLAMB's steps, an adapter's own collectives)."""

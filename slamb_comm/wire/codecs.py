@@ -2,7 +2,7 @@
 
 Everything here is pure array code (NumPy or CuPy), with no communication: the
 communicator strings these together with a transport. The masks M_t live in
-:mod:`slamb_comm.masks`.
+:mod:`slamb_comm.wire.masks`.
 
 * :class:`Layout`: many tensors viewed as one contiguous fused buffer, with the
   always-dense rule of docs/algorithm.md section 1 (ndim <= 1 or fewer than
@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
-from . import topk_device as _tk
-from .arrays import value_dtype
-from .errors import ConfigError, DTypeError
+from .. import arrays as _arr
+from ..device import topk_step as _tk
+from ..arrays import value_dtype
+from ..errors import ConfigError, DTypeError
 
 __all__ = [
     "DATA_DTYPES",
@@ -361,7 +361,7 @@ class TopKWire:
 
     The whole layout is encoded and decoded at once (:meth:`select`, :meth:`encode`,
     :meth:`decode_all`): on a device a constant number of launches whatever the number of
-    tensors -- the selection is the radix select of :mod:`slamb_comm.topk_kernels` (its tables
+    tensors -- the selection is the radix select of :mod:`slamb_comm.device.topk_kernels` (its tables
     built once per device: :meth:`device`), the decode whole-buffer operations with the
     per-tensor constants of :meth:`table`; on the CPU, where there are no kernel launches to
     save, tensor by tensor (:func:`topk_indices`' linear-time selection, no temporary of the
@@ -436,7 +436,7 @@ class TopKWire:
 
     # ------------------------------------------------------------------ selection
     def device(self, xp):
-        """The :class:`~slamb_comm.topk_device.Plan` of this wire on the current device of
+        """The :class:`~slamb_comm.device.topk_step.Plan` of this wire on the current device of
         ``xp`` (its tables copied there at its first use, then kept)."""
         key = (xp.__name__, xp.cuda.Device().id)
         plan = self._plans.get(key)
@@ -451,7 +451,7 @@ class TopKWire:
         (ties go to the lower index; infinities rank above every finite value).
 
         On the CPU, per tensor with :func:`topk_indices`. On a device, for all tensors at once:
-        the radix select of :mod:`slamb_comm.topk_kernels` (float32: 4 kernels reading ``c``
+        the radix select of :mod:`slamb_comm.device.topk_kernels` (float32: 4 kernels reading ``c``
         once each, no sort, no host read) and one cast of the indices.
         """
         xp = _arr.namespace(c)

@@ -5,7 +5,7 @@
 order. A sort of the whole buffer (what this replaced) moves ~230 bytes per element. Here the key
 of an element is ``|c|``'s bits as an integer (order-preserving for non-negative floats), and the
 k-th largest key of every tensor is found digit by digit from the top, every tensor at once, by
-the kernels of :data:`SOURCE` (the dialect of :data:`slamb_comm.kernels.PRELUDE`: NVRTC on a GPU,
+the kernels of :data:`SOURCE` (the dialect of :data:`slamb_comm.device.kernels.PRELUDE`: NVRTC on a GPU,
 the host's compiler in the tests):
 
 * ``topk_first``: reads x and e once, writes ``c`` (the next error buffer). A tensor of at most
@@ -13,7 +13,7 @@ the host's compiler in the tests):
   digit there and writes its entries. A larger tensor is cut into tiles of ``TILE``: each tile's
   histogram of the first digit (11 bits) is added to its tensor's row (integer atomics:
   deterministic), and the tensor's last tile to finish finds the bin of the k-th largest (the
-  last-block pattern of :mod:`slamb_comm.fused`).
+  last-block pattern of :mod:`slamb_comm.device.slamb_step`).
 * ``topk_pass``, per further digit (float32: 11 bits, then 9): the same among the keys whose
   higher digits are the k-th largest's. The last one keeps every tile's histogram and count of
   keys above, and the tensor's last tile, knowing the k-th key K and how many keys equal to it go
@@ -467,7 +467,7 @@ SLAMB_DEV void topk_decode_impl(const i64* tens, const i64* tiles, i64 ntiles, c
 CODES = {"float16": "h2", "float32": "f4", "float64": "f8"}
 _C_TYPES = {"float16": "unsigned short", "float32": "float", "float64": "double"}
 
-#: the kernels, after the dialect's prelude (compiled by :func:`slamb_comm.kernels.module`): the
+#: the kernels, after the dialect's prelude (compiled by :func:`slamb_comm.device.kernels.module`): the
 #: instances for every layout dtype P and payload dtype V
 SOURCE = _k.PRELUDE + _KERNELS + "".join(
     [f"TOPK_P({_C_TYPES[p]}, {CODES[p]})\n" for p in CODES]

@@ -1,10 +1,10 @@
 """SparseLoCo's wire format: chunk-wise top-k of a fused buffer, b-bit values, bit-packed
-offsets (docs/algorithm.md sections 14.1 and 14.2). Used by :mod:`slamb_comm.sparseloco`."""
+offsets (docs/algorithm.md sections 14.1 and 14.2). Used by :mod:`slamb_comm.methods.sparseloco`."""
 
 import numpy as np
 
-from . import arrays as _arr
-from .errors import ConfigError
+from .. import arrays as _arr
+from ..errors import ConfigError
 
 __all__ = ["BITS", "ChunkTopK", "pack_bits", "unpack_bits", "pad8", "int_in"]
 

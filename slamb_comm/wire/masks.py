@@ -26,9 +26,9 @@ import math
 
 import numpy as np
 
-from . import arrays as _arr
+from .. import arrays as _arr
 from .codecs import check_ratio, k_elems, topk_indices
-from .errors import ConfigError
+from ..errors import ConfigError
 from .picks import GridPicks, IndexPicks, Picks
 
 __all__ = ["Picks", "Selection", "CyclicMask", "BernoulliMask", "TopKUnionMask", "make_mask", "check_block"]

@@ -9,7 +9,7 @@ step at a time:
   c_max)`` per tensor, and its moving average ``κ`` (``coeff_beta``);
 * **compression**, after ``freeze_step``: v is frozen; each rank's momentum, scaled per tensor
   by ``γ`` (fixed at the first compression step so that every tensor's momentum has the same
-  RMS), goes through the 1-bit exchange (:class:`~slamb_comm.onebit.OneBitExchange`); the
+  RMS), goes through the 1-bit exchange (:class:`~slamb_comm.exchange.onebit.OneBitExchange`); the
   reconstructed gradient updates the fresh second moment ``f``, whose ratio to the frozen one
   sets a bounded factor ``φ``; the step is ``x -= lr κ φ u``.
 
@@ -33,33 +33,18 @@ may be rescaled in the compression stage.
 
 import logging
 import math
-import warnings
 
 import numpy as np
 
-from . import arrays as _arr
-from .deprecation import renamed
-from .errors import ConfigError, LayoutError, NonFiniteError
-from .onebit import OneBitExchange
-from .onebit_device import LambOnDevice
+from .. import arrays as _arr
+from ..errors import ConfigError, LayoutError, NonFiniteError
+from ..exchange.onebit import OneBitExchange
+from ..device.onebit_step import LambOnDevice
 from .tensorwise import trust_ratio
 
 __all__ = ["OneBitLambRule"]
 
 log = logging.getLogger("slamb_comm")
-
-
-def trust_bounds(c_min, c_max, min_coeff=None, max_coeff=None):
-    """``(c_min, c_max)``, from DeepSpeed's names ``min_coeff``/``max_coeff`` where given (deprecated:
-    a DeprecationWarning; removed in the next release), which win where given."""
-    out = []
-    for new, value, old, alias in (("c_min", c_min, "min_coeff", min_coeff), ("c_max", c_max, "max_coeff", max_coeff)):
-        if alias is not None:
-            warnings.warn(f"1-bit LAMB's {old}= is deprecated: pass {new}= (the trust ratio's bound, as SLAMB's)",
-                          DeprecationWarning, stacklevel=3)
-            value = alias
-        out.append(value)
-    return tuple(out)
 
 
 def _sumsq(a):
@@ -79,7 +64,7 @@ class OneBitLambRule:
         lr, betas, eps, weight_decay: as in LAMB (``u = m / (sqrt(v) + eps) + weight_decay x``).
         freeze_step: the number of warm-up (dense LAMB) steps.
         c_max, c_min: clamp of the warm-up's LAMB coefficient (the trust ratio's bounds, named
-            as SLAMB's; DeepSpeed's ``max_coeff``/``min_coeff`` are deprecated aliases).
+            as SLAMB's; DeepSpeed calls them ``max_coeff``/``min_coeff``).
         coeff_beta: moving-average rate of the warm-up's LAMB coefficient (κ).
         factor_max, factor_min, factor_threshold: bounds of the compression stage's factor φ,
             and of its change per step (a fraction of the previous φ).
@@ -94,8 +79,7 @@ class OneBitLambRule:
 
     def __init__(self, comm, *, lr=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  c_max=10.0, c_min=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip", max_coeff=None, min_coeff=None):
-        c_min, c_max = trust_bounds(c_min, c_max, min_coeff, max_coeff)
+                 factor_threshold=0.1, bias_correction=False, on_nonfinite="skip"):
         self.comm = comm
         self.layout = comm.layout
         if self.layout.dtype == np.float16:
@@ -467,6 +451,3 @@ class OneBitLambRule:
         dev.update(xp, xt, *corrections[:2])
         self.t = t
 
-
-# the name before the rename: the core's rule and the torch optimizer no longer differ by case alone
-__getattr__ = renamed(__name__, OneBitLamb=OneBitLambRule)

@@ -14,7 +14,7 @@ a problem.
 
 SLAMB's state is per rank (each rank's own momentum, second moment and error buffers). On the
 same number of ranks each rank gets its own state back, bitwise. On another number (a job that
-lost or gained workers) every rank reads every old rank's file and :func:`slamb_comm.resize.resize`
+lost or gained workers) every rank reads every old rank's file and :func:`slamb_comm.methods.resize.resize`
 makes its state by docs/algorithm.md section 10's rule: what is equal on every rank kept,
 per-rank floating-point state (moments, error buffers, parameters between syncs) averaged,
 1-bit LAMB's server errors re-chunked; logged. ``resize=False`` refuses instead.
@@ -32,7 +32,7 @@ import shutil
 import numpy as np
 
 from . import resize as _resize
-from .errors import SlambCommError
+from ..errors import SlambCommError
 
 __all__ = ["CheckpointError", "save", "load"]
 
@@ -137,7 +137,7 @@ def load(directory, transport, resize=True):
 
     Written by as many ranks as this job has: this rank's own state, bitwise. Written by
     another number: with ``resize`` (default) this rank's state made from every old rank's by
-    :func:`slamb_comm.resize.resize` (docs/algorithm.md section 10; every rank reads every old
+    :func:`slamb_comm.methods.resize.resize` (docs/algorithm.md section 10; every rank reads every old
     rank's file, one at a time, and checks its hash); without, CheckpointError.
 
     Raises:

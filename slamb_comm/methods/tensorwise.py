@@ -1,12 +1,12 @@
 """SLAMB's step tensor by tensor (docs/algorithm.md section 1): the CPU's path, and the pieces API.
 
-:class:`TensorwiseStep` is the part of :class:`~slamb_comm.slamb.SlambRule` that works one tensor at a
+:class:`TensorwiseStep` is the part of :class:`~slamb_comm.methods.slamb.SlambRule` that works one tensor at a
 time, in cache-sized blocks on the CPU: :meth:`~TensorwiseStep.begin_step`,
 :meth:`~TensorwiseStep.accumulate` (per tensor, as its gradient arrives: the adapters' hooks),
 :meth:`~TensorwiseStep.exchange`, :meth:`~TensorwiseStep.apply`. :meth:`SlambRule.step` runs them in
 turn for lists of arrays and on the CPU; on a device, fused buffers take
-:mod:`slamb_comm.fused` instead. The state (``m``, ``v``, the freshness), the options and the
-checkpoint format are :class:`~slamb_comm.slamb.SlambRule`'s.
+:mod:`slamb_comm.device.slamb_step` instead. The state (``m``, ``v``, the freshness), the options and the
+checkpoint format are :class:`~slamb_comm.methods.slamb.SlambRule`'s.
 """
 
 import math
@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays as _arr
-from .codecs import per_tensor
-from .errors import LayoutError, NonFiniteError
-from .device import Addresses
-from .masks import BLOCK
+from .. import arrays as _arr
+from ..wire.codecs import per_tensor
+from ..errors import LayoutError, NonFiniteError
+from ..device.tables import Addresses
+from ..wire.masks import BLOCK
 
 __all__ = ["TensorwiseStep", "trust_ratio"]
 
@@ -50,7 +50,7 @@ class _Commit(NamedTuple):
 
 
 class TensorwiseStep:
-    """The tensor-by-tensor step of :class:`~slamb_comm.slamb.SlambRule` (a base class: it uses the
+    """The tensor-by-tensor step of :class:`~slamb_comm.methods.slamb.SlambRule` (a base class: it uses the
     state and options that ``SlambRule`` holds)."""
 
     # ------------------------------------------------------------------ pieces
@@ -96,7 +96,7 @@ class TensorwiseStep:
         return list(self._counts)
 
     def picks(self, i, xp=np):
-        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.picks.Picks`)."""
+        """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.wire.picks.Picks`)."""
         t = self._open()
         p = self._picks.get(i)
         if p is None:
@@ -529,7 +529,7 @@ def _starts(counts):
 
 def _views(layout, x):
     """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, a lazy sequence, or
-    :class:`~slamb_comm.device.Addresses` (read through the arrays that own them)."""
+    :class:`~slamb_comm.device.tables.Addresses` (read through the arrays that own them)."""
     if isinstance(x, Addresses):
         x = x.owners
     if hasattr(x, "shape") or hasattr(x, "__dlpack__"):

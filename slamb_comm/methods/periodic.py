@@ -24,12 +24,19 @@ import time
 
 import numpy as np
 
-from . import arrays as _arr
-from .codecs import Layout
-from .communicator import Communicator
-from .errors import ConfigError, LayoutError, LayoutMismatchError, NonContiguousError, PeerError, SlambCommError
-from .stats import Traffic
-from .transports import LocalTransport
+from .. import arrays as _arr
+from ..wire.codecs import Layout
+from ..exchange.communicator import Communicator
+from ..errors import (
+    ConfigError,
+    LayoutError,
+    LayoutMismatchError,
+    NonContiguousError,
+    PeerError,
+    SlambCommError,
+)
+from ..wire.stats import Traffic
+from ..exchange.transports import LocalTransport
 
 __all__ = ["Periodic", "DiLoCo", "DesLoc", "DEFAULT_INTERVAL", "check_interval", "check_number", "host_copy"]
 

@@ -1,5 +1,5 @@
 """A mask's positions within one tensor (M_t of docs/algorithm.md section 1 there), with the
-gather and scatter on them: what :mod:`slamb_comm.masks` hands out per tensor and step.
+gather and scatter on them: what :mod:`slamb_comm.wire.masks` hands out per tensor and step.
 
 * :class:`Picks` -- every element (an always-dense tensor), or the base of the others;
 * :class:`IndexPicks` -- explicit sorted positions (the bernoulli and topk masks);
