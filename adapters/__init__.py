@@ -13,5 +13,7 @@ stays free of torch and horovod. One module per framework:
 * :mod:`slamb_comm.adapters.huggingface` -- Hugging Face: ``SlambTrainer`` for ``transformers.Trainer``
   and ``install()`` after ``accelerator.prepare``, with per-rank checkpoint state.
 
-docs/integrations.md shows the change to a stock script for each.
+docs/integrations.md shows the change to a stock script for each. :mod:`slamb_comm.adapters.privates`
+lists every private attribute of a framework that the adapters touch, each with why (nothing else
+in the adapters touches another object's private attribute).
 """

@@ -48,10 +48,12 @@ import transformers
 from slamb_comm.wire.codecs import TopK
 from slamb_comm.wire.stats import Traffic
 
+from .privates import trainer_load_optimizer_and_scheduler, trainer_save, trainer_save_optimizer_and_scheduler
 from .torch import SLAMB, DistributedOptimizer, OneBitLAMB, SAdamW, SlambHookState, TopKHookState, slamb_hook, topk_hook
 from .torch.averaging import averaged_state_dict, traffic_metrics
-from .torch.contract import ContractMethods, comm_hook_states
-from .torch.distributed_slamb import DistributedSlamb
+from .torch.distributed.ddp_misuse import comm_hook_states
+from .torch.distributed.contract import DistributedMixin
+from .torch.distributed.slamb import DistributedSlamb
 from .torch.rank_files import resume_state
 
 __all__ = ["install", "SlambTrainer", "save_rank_state", "load_rank_state", "step_metrics"]
@@ -137,7 +139,7 @@ def _install_topk(ddp, optimizer, compression, grad_scaler):
     inner = getattr(optimizer, "optimizer", optimizer)  # inside an AcceleratedOptimizer, or as given
     if not isinstance(compression, TopK):
         raise TypeError(f"compression must be a slamb_comm.TopK, got {compression!r}")
-    if isinstance(inner, (SLAMB, OneBitLAMB, ContractMethods)):
+    if isinstance(inner, (SLAMB, OneBitLAMB, DistributedMixin)):
         raise TypeError(f"install(compression=TopK(...)) is for a plain torch optimizer, got "
                         f"{type(inner).__name__}: under DDP keep your optimizer unwrapped, or install() "
                         "without compression for SLAMB")
@@ -409,14 +411,14 @@ class SlambTrainer(transformers.Trainer):
     # The Trainer's own save and load steps (private methods, no public hook: its callbacks run
     # after the checkpoint is complete and never see a resume's directory), extended.
     def _save(self, output_dir=None, state_dict=None):
-        super()._save(output_dir, state_dict=self._mean_state if state_dict is None else state_dict)
+        trainer_save(SlambTrainer, self, output_dir, self._mean_state if state_dict is None else state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        super()._save_optimizer_and_scheduler(output_dir)
+        trainer_save_optimizer_and_scheduler(SlambTrainer, self, output_dir)
         save_rank_state(output_dir, self.model, self.optimizer, self.hook_state)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+        trainer_load_optimizer_and_scheduler(SlambTrainer, self, checkpoint)
         if checkpoint is not None:
             load_rank_state(checkpoint, self.model, self.optimizer, self.hook_state)
 

@@ -55,11 +55,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from slamb_comm.wire.codecs import TopK
 
+from .privates import hand_mesh_to_module, mark_lr_scheduler_step, saves_distributed_checkpoint
 from .torch import (SLAMB, DistributedOptimizer, HybridSLAMB, OneBitLAMB, SlambHookState, TopKHookState, slamb_hook,
                     topk_hook)
 from .torch.averaging import averaged_state_dict, traffic_metrics
-from .torch.contract import ContractMethods
-from .torch.distributed_slamb import DistributedSlamb
+from .torch.distributed.contract import DistributedMixin
+from .torch.distributed.slamb import DistributedSlamb
 from .torch.rank_files import resume_state
 from .torch.tensors import is_dtensor, local_of
 
@@ -144,7 +145,7 @@ class SlambDDPStrategy(DDPStrategy):
         opts = list(self.optimizers)
         if self.compression is not None:
             for opt in opts:
-                if isinstance(opt, (SLAMB, OneBitLAMB, ContractMethods)):
+                if isinstance(opt, (SLAMB, OneBitLAMB, DistributedMixin)):
                     raise TypeError(f"SlambDDPStrategy(compression=TopK(...)) exchanges top-k gradients for a plain "
                                     f"torch optimizer, but configure_optimizers returned {type(opt).__name__}: return "
                                     "your torch optimizer (not DistributedOptimizer), or SlambDDPStrategy() for SLAMB")
@@ -246,16 +247,9 @@ class SlambDDPStrategy(DDPStrategy):
 
 def _mark_step_tracked(opt):
     """As torch's LR schedulers mark an optimizer's ``step`` (so a scheduler moved onto the
-    distributed optimizer does not warn that it stepped before the optimizer). The two marks are
-    torch's ``LRScheduler``'s own attributes, read by its ``step()`` (no public equivalent)."""
-    step = opt.step
-
-    def wrapper(*args, **kwargs):
-        opt._opt_called = True  # torch's LRScheduler mark: the optimizer stepped
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # torch's LRScheduler mark: the step is tracked
-    opt.step = wrapper
+    distributed optimizer does not warn that it stepped before the optimizer): torch's
+    ``LRScheduler``'s own marks (:func:`slamb_comm.adapters.privates.mark_lr_scheduler_step`)."""
+    opt.step = mark_lr_scheduler_step(opt, opt.step)
 
 
 # ----------------------------------------------------------------------------- FSDP2 / HSDP
@@ -331,7 +325,7 @@ class SlambModelParallelStrategy(ModelParallelStrategy):
         self._device_mesh = init_device_mesh(self.root_device.type, (R, world // R),
                                              mesh_dim_names=("replicate", "shard"))
         # as ModelParallelStrategy.setup_environment hands its mesh to the module (Lightning has no setter)
-        self.lightning_module._device_mesh = self._device_mesh
+        hand_mesh_to_module(self.lightning_module, self._device_mesh)
 
     @property
     def distributed_sampler_kwargs(self):
@@ -378,7 +372,7 @@ class SlambModelParallelStrategy(ModelParallelStrategy):
             if is_dtensor(v):
                 m = DTensor.from_local(m, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride())
             out[k] = m
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             return out
         whole = {k: (v.full_tensor() if is_dtensor(v) else v).cpu() for k, v in out.items()}  # over each shard group
         return whole if self.global_rank == 0 else {}

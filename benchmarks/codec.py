@@ -40,7 +40,8 @@ import numpy as np
 
 from csvout import write_rows
 from slamb_comm.arrays import cast_into
-from slamb_comm.wire.codecs import Layout, topk_indices, topk_indices_reference
+from slamb_comm.wire.codecs import topk_indices, topk_indices_reference
+from slamb_comm.wire.layout import Layout
 from slamb_comm.wire.masks import CyclicMask
 
 try:

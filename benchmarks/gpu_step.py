@@ -1,7 +1,7 @@
 # python3 benchmarks/gpu_step.py --out benchmarks/results/gpu_step.csv     (needs a CUDA GPU, CuPy and torch)
 """One optimizer step on a real GPU: kernels, copies and time, at 10, 100 and 1,000 tensors.
 
-The strict CuPy double (tests/strict_cupy.py) counts the GPU path's device operations on the
+The strict CuPy double (tests/support/strict_cupy.py) counts the GPU path's device operations on the
 CPU; this runs the same steps on a CUDA device and lets the device say what happened.
 ``torch.profiler`` (CUPTI) records every kernel launched in the process, CuPy's included, and
 every memcpy: per step, the kernels, the host-to-device and the device-to-host copies, and with

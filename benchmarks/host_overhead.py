@@ -7,7 +7,7 @@ Python around them may: ``SLAMB.step`` checks every parameter (shape, dtype, a c
 replaced ``.grad``), reads the gradients' addresses and points the torch state at the core's
 buffers. This times that host work
 without a GPU: ``SLAMB(fused=True)`` runs its GPU code path on the strict CuPy double
-(tests/strict_cupy.py, the parameters shared with torch), and the time spent inside the kernels,
+(tests/support/strict_cupy.py, the parameters shared with torch), and the time spent inside the kernels,
 which the double executes on the CPU, is measured and taken out (``slamb_comm.device.kernels.launch``
 timed around each call). The baseline is ``torch.optim.AdamW(fused=True)`` on the same CPU
 tensors, whose own host work (its lists of tensors, one ``_fused_adamw_`` call) is also per tensor.
@@ -36,7 +36,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+if os.path.dirname(HERE) not in sys.path:  # for tests.support.strict_cupy, the strict CuPy double
+    sys.path.append(os.path.dirname(HERE))
 from csvout import write_rows  # noqa: E402
 
 
@@ -242,7 +243,7 @@ def main():
     ap.add_argument("--calls-top", type=int, default=12, help="functions listed per arm")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import strict_cupy
+    from tests.support import strict_cupy
     import torch
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ root sharded by FSDP2's ``fully_shard``, on a 2 x 2 ``(replicate, shard)`` mesh 
   ``HybridSLAMB(model, mesh, ratio=0.1, value_dtype="float16", sync_interval=100, overlap=False)``, which
   exchanges the momentum of each rank's pieces sparsely across the replicas in ``step()``;
 * ``hybrid_slamb_overlap`` (``--arms``, not run unless named) -- the same with ``overlap=True``: each FSDP
-  module's exchange starts during the backward pass (adapters/torch/fsdp_overlap.py).
+  module's exchange starts during the backward pass (adapters/torch/fsdp/overlap.py).
 
 Sub-commands:
 

@@ -161,14 +161,14 @@ def _walk(obj, label, out, seen, depth=0):
 
 def optimizer_bytes(opt, model):
     """Bytes the optimizer keeps, each storage once, the parameters' and gradients' excluded:
-    (total, {label: bytes}). HybridSLAMB: ``opt.state`` and its engines (rule: m, v, scratch;
+    (total, {label: bytes}). HybridSLAMB: ``opt.state`` and its buckets (rule: m, v, scratch;
     communicator: mask, wire; flat buffers); AdamW: ``opt.state``."""
     import torch
 
     roots = [("state", opt.state)]
-    engines = getattr(opt, "_engines", None)
-    if isinstance(engines, list):
-        for e in engines:
+    buckets = getattr(opt, "ready_buckets", None)
+    if isinstance(buckets, list):
+        for e in buckets:
             roots += [("rule", e.rule), ("comm", e.comm), ("flat", getattr(e, "flat", None))]
     found, seen = [], set()
     exclude = set()

@@ -1,7 +1,7 @@
 """python3 benchmarks/launches.py --out benchmarks/results/launches.csv
 
 What one step of slamb_comm's GPU path costs on the device, counted on the CPU by the strict
-CuPy double (tests/strict_cupy.py): device operations (kernel launches), device-memory bytes read
+CuPy double (tests/support/strict_cupy.py): device operations (kernel launches), device-memory bytes read
 and written, host-to-device copies, host reads, and device memory held beyond the parameters and
 gradients (kept between steps and at the peak of the step).
 
@@ -63,11 +63,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the strict CuPy double
-if ROOT not in sys.path:
+if ROOT not in sys.path:  # for tests.support.strict_cupy, the strict CuPy double
     sys.path.append(ROOT)
 
-import strict_cupy  # noqa: E402
+from tests.support import strict_cupy  # noqa: E402
 from csvout import write_rows  # noqa: E402
 
 TOTAL = 6_553_600

@@ -34,7 +34,10 @@ The learning rate of each method is swept over its grid at seed 0; the best (low
 validation loss) then runs at the other seeds. Writes ``<out>/runs.csv`` (every evaluation of
 every run), ``<out>/peers.md`` (the table) and ``<out>/peers.png`` (validation loss against
 cumulative payload, mean over seeds). Runs already in ``<out>/runs/`` are reused. ``--parallel``
-runs that many jobs at once (on a machine with cores for them).
+runs that many jobs at once (on a machine with cores for them). ``--batch`` sets the sequences per
+rank and step (16, the example's; issue 45 ran 64 for LAMB's large batches): the CSV's ``batch``
+column, and the run's tag when it is not 16 (so the 16-sequence runs keep their names); the
+evaluation batches and the byte accounting (per step) do not change with it.
 """
 
 import argparse
@@ -134,7 +137,7 @@ def _sparseloco(method, lr, params):
     around AdamW: ``(optimizer, None, traffic_fn)``."""
     import torch
 
-    from slamb_comm.adapters.torch.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+    from slamb_comm.adapters.torch import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
     base, *rest = method.split("@")
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -215,7 +218,7 @@ def worker(args):
     rows, payload, t0 = [], 0, time.perf_counter()
     for step in range(1, args.steps + 1):
         rng = np.random.default_rng([args.seed, me, step])
-        x, y = common.lm_batch(train_data, 16, 64, rng)
+        x, y = common.lm_batch(train_data, args.batch, 64, rng)
         opt.zero_grad()
         loss = loss_fn(net(torch.from_numpy(x)), torch.from_numpy(y))
         loss.backward()
@@ -224,7 +227,8 @@ def worker(args):
         if step % args.eval_every == 0 or step == args.steps:
             v = evaluate()
             if me == 0:
-                rows.append({"method": args.method, "lr": args.lr, "seed": args.seed, "ranks": P, "step": step,
+                rows.append({"method": args.method, "lr": args.lr, "seed": args.seed, "ranks": P, "batch": args.batch,
+                             "step": step,
                              "val_loss": v, "payload_bytes": payload, "dense_bytes": 4 * N * step,
                              "payload_vs_dense": payload / (4 * N * step), "params": N,
                              "seconds": time.perf_counter() - t0})
@@ -236,19 +240,21 @@ def worker(args):
 
 
 # ---------------------------------------------------------------------------- the driver
-def tag(method, lr, seed):
-    return "".join(c if c.isalnum() else "_" for c in f"{method}_{lr}_seed{seed}")
+def tag(method, lr, seed, batch=16):
+    """A run's file name; the batch is in it only when it is not the example's 16 (the earlier runs' names)."""
+    name = f"{method}_{lr}_seed{seed}" + (f"_batch{batch}" if batch != 16 else "")
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def launch(method, lr, seed, args):
-    path = os.path.join(args.out, "runs", tag(method, lr, seed) + ".csv")
+    path = os.path.join(args.out, "runs", tag(method, lr, seed, args.batch) + ".csv")
     if os.path.exists(path) and not args.rerun:
         return None, path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     cmd = ["timeout", str(args.timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(args.ranks), os.path.abspath(__file__), "--worker", "--method", method,
            "--lr", str(lr), "--seed", str(seed), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-           "--csv", path]
+           "--batch", str(args.batch), "--csv", path]
     log = open(path + ".log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), path
@@ -260,7 +266,9 @@ def reuse(files, out):
     for f in filter(None, (files or "").split(",")):
         by_tag = {}
         for r in csv.DictReader(open(f)):
-            by_tag.setdefault(tag(r["method"], float(r["lr"]), int(r["seed"])), []).append(r)
+            if not r.get("batch"):  # rows written before --batch: the example's 16, in the column after ranks
+                r = dict(kv for k, v in r.items() for kv in ([(k, v), ("batch", "16")] if k == "ranks" else [(k, v)]))
+            by_tag.setdefault(tag(r["method"], float(r["lr"]), int(r["seed"]), int(r["batch"])), []).append(r)
         for t, rows in by_tag.items():
             path = os.path.join(out, "runs", t + ".csv")
             if not os.path.exists(path):
@@ -317,8 +325,10 @@ def report(runs, args):
     targets = {t: sum(mean_final[t][1]) / len(mean_final[t][1]) for t in ("adamw", "lamb") if t in mean_final}
     N = int(next(iter(next(iter(runs.values())).values()))[seeds[0]][-1]["params"])
     dense_step = 4 * N
-    lines = [f"`python3 benchmarks/peers.py --ranks {args.ranks} --steps {args.steps} --seeds {args.seeds}`: "
-             f"the byte-level LM of examples/train_lm.py, {N:,} parameters, {args.ranks} ranks, {args.steps} steps; "
+    batch = f" --batch {args.batch}" if args.batch != 16 else ""
+    lines = [f"`python3 benchmarks/peers.py --ranks {args.ranks} --steps {args.steps}{batch} --seeds {args.seeds}`: "
+             f"the byte-level LM of examples/train_lm.py, {N:,} parameters, {args.ranks} ranks, {args.steps} steps "
+             f"of {args.batch} sequences per rank; "
              f"final validation loss, mean over seeds {args.seeds} (min-max), at each method's best lr of its grid "
              f"at seed {seeds[0]}. Payload: bytes handed to the collectives per rank, against one float32 allreduce "
              "of every gradient per step; wire at P from the collectives' cost model.", "",
@@ -377,6 +387,7 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=16, help="sequences of 64 bytes per rank and step (the example's 16)")
     ap.add_argument("--parallel", type=int, default=1, help="jobs at once")
     ap.add_argument("--timeout", type=int, default=1800, help="outer timeout of each run, seconds")
     ap.add_argument("--grid-size", type=int, default=3, help="the first K points of each method's lr grid")

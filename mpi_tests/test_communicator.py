@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from mpi_checks import Checks, call
+from tests.support.mpi_checks import Checks, call
 from slamb_comm.wire.masks import make_mask
 from slamb_comm.errors import (
     ConfigError,
@@ -562,12 +562,9 @@ def test_global_numpy_rng_untouched(transport):
 # sparse_allgather works on the whole fused buffer (on a device it also selects every tensor's
 # top-k at once). Its results must be, bit for bit, those of the per-tensor exchange it
 # replaced, at every P, on NumPy and through the strict CuPy double's device transports.
-import os  # noqa: E402
-import sys  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402
-from mpi_checks import device_transport  # noqa: E402
+from tests.support import strict_cupy  # noqa: E402
+from tests.support.mpi_checks import device_transport  # noqa: E402
 from slamb_comm.wire.codecs import topk_indices_reference  # noqa: E402
 
 FUSED_SHAPES = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4)] + [(9, 11)] * 40

@@ -8,8 +8,6 @@ every rank's momentum, so it knows what each rank sends. After each step the rep
 bitwise equal (every rank applies the sign of the same decoded mean).
 """
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -24,8 +22,7 @@ SHAPES = [(20, 13), (7,), (3, 4, 5), (16, 16), (), (9, 1)]
 S, K, LR, BETA, WD = 8, 5, 0.01, 0.9, 0.05
 
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from demo_reference import RefDeMo  # noqa: E402  (the dense float64 reference, shared with tests/test_demo.py)
+from tests.support.demo_reference import RefDeMo  # noqa: E402  (the dense float64 reference)
 
 
 def reference(x, P, lr, wd, vdtype):

@@ -766,19 +766,20 @@ def test_other_masks(mask):
 def test_exchange_is_launched_from_the_gradient_hooks():
     model = make_model(21)
     opt = slamb_dist(model, ratio=0.1)
-    in_hooks, launch = [], opt._launch
+    exchange = opt._exchange  # the step's exchange (SlambExchange), whose launch the hooks call
+    in_hooks, launch = [], exchange.launch
 
     def spy(p, redo=False):  # launched while the backward pass still runs (from the gradient hooks)?
-        in_hooks.append(opt._contract.in_backward)
+        in_hooks.append(opt.contract.in_backward)
         return launch(p, redo)
 
-    opt._launch = spy
+    exchange.launch = spy
     loss_of(model, hvd.rank(), 1).backward()
-    (e,) = opt._engines
+    (e,) = opt.buckets
     assert in_hooks == [True] * len(list(model.parameters()))
     assert opt.communicators[0].stats.by_kind["masked_allreduce"].calls == 1  # finished inside backward()
     opt.step()
-    assert not opt._hooks.is_open(e) and opt.communicators[0].stats.by_kind["masked_allreduce"].calls == 1
+    assert not exchange.hooks.is_open(e) and opt.communicators[0].stats.by_kind["masked_allreduce"].calls == 1
 
 
 def test_public_api_has_docstrings():

@@ -32,7 +32,8 @@ hvd = pytest.importorskip("horovod.torch")
 
 import slamb_comm  # noqa: E402
 from slamb_comm.adapters import horovod as sh  # noqa: E402
-from torch_reference import (  # noqa: E402
+from tests.support.mpi_checks import Checks  # noqa: E402
+from tests.support.torch_reference import (  # noqa: E402
     N_ALL, SHAPES, SIZES, STARTS, THRESHOLD, RefSlamb, RefTopK, close, flat_of, flat_params, grads_at, loss_of,
     make_model, maxdiff, replay_freshness, set_flat, topk_close, topk_counts,
 )
@@ -89,20 +90,6 @@ def nobody_waits(tag):
     """A collective after a failure succeeds on every rank: no rank is stuck in an exchange."""
     out = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name=f"idioms.after.{tag}")
     assert float(out[0]) == hvd.size()
-
-
-class Checks:
-    """Failed checks, asserted at the end of a test (after its last collective)."""
-
-    def __init__(self):
-        self.failed = []
-
-    def __call__(self, ok, what):
-        if not ok:
-            self.failed.append(what)
-
-    def done(self):
-        assert not self.failed, f"rank {hvd.rank()}: " + "; ".join(map(str, self.failed[:8]))
 
 
 def checkpoint_bytes(model, opt):

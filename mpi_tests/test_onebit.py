@@ -4,29 +4,26 @@ alltoall, under MPI (pytest-mpi):
     bash scripts/mpirun.sh 4 300 python3 -m pytest -q -p no:cacheprovider --with-mpi mpi_tests/test_onebit.py
 
 (also at 1 and 2 ranks). Every rank builds every rank's inputs from fixed seeds, computes the
-dense float64 reference of the page for all ranks (tests/onebit_reference.py) and compares its
+dense float64 reference of the page for all ranks (tests/support/onebit_reference.py) and compares its
 own result and error buffers with it. Failures are collected and raised at the end of a test on
 every rank at once, after every collective of the test has run, so that no rank is left waiting.
-The CuPy branches run through the strict double (tests/strict_cupy.py), whose fake NCCL gets
+The CuPy branches run through the strict double (tests/support/strict_cupy.py), whose fake NCCL gets
 grouped send/recv here; the Horovod transport's tests skip where Horovod is not installed.
 """
 
 import hashlib
-import os
-import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from mpi_checks import DEVICE_TRANSPORTS, Checks as _Checks, call, device_transport  # noqa: E402
+from tests.support.mpi_checks import DEVICE_TRANSPORTS, Checks as _Checks, call, device_transport  # noqa: E402
 from slamb_comm.errors import LayoutError, NonFiniteError, PeerError
 from slamb_comm.exchange.onebit import OneBitExchange, padded_size
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import onebit_reference as ref  # noqa: E402
-import strict_cupy  # noqa: E402
+from tests.support import onebit_reference as ref  # noqa: E402
+from tests.support import strict_cupy  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 

@@ -6,8 +6,6 @@ dense float64 reference of docs/algorithm.md section 12 written out here:
 for N = 1, 2 and 4. Every rank starts from its own parameters (the construction broadcasts rank
 0's) and gets gradients of its own; the reference simulates all P ranks."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,8 +15,7 @@ from slamb_comm import MPITransport
 from slamb_comm.methods.periodic import DesLoc, DiLoCo
 from slamb_comm.wire.stats import allreduce_wire
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from adamw_reference import Adam  # noqa: E402
+from tests.support.adamw_reference import Adam  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

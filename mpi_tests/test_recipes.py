@@ -19,7 +19,6 @@ after the test's last collective. No test asserts a timing.
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -30,13 +29,12 @@ dist = pytest.importorskip("torch.distributed")
 
 import slamb_comm  # noqa: E402
 from slamb_comm.adapters import torch as st  # noqa: E402
-from torch_reference import (  # noqa: E402
+from tests.support.torch_reference import (  # noqa: E402
     SHAPES, STARTS, THRESHOLD, RefSlamb, RefTopK, close, flat_params, grads_at, loss_of, make_model, maxdiff,
     topk_close, topk_counts,
 )
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402  (the device paths)
+from tests.support import strict_cupy  # noqa: E402  (the device paths)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 

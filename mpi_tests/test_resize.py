@@ -16,8 +16,8 @@ from mpi4py import MPI
 import slamb_comm as sc
 from slamb_comm.methods import checkpoint
 from slamb_comm.methods.slamb import SlambRule
-from slamb_reference import ReferenceSlamb
-from test_slamb import SHAPES, rank_grads, rank_params
+from tests.support.slamb_reference import ReferenceSlamb
+from mpi_tests.test_slamb import SHAPES, rank_grads, rank_params
 
 pytestmark = pytest.mark.mpi
 
@@ -144,7 +144,7 @@ def test_topk_residuals_average_and_onebit_server_errors_rechunk(pair, tmp_path_
         c.load_state_dict(checkpoint.load(ckpt, tr2))
         if not np.array_equal(c.residual, mean64([o[0] for o in olds])):
             failed.append("TopK residual is not the old ranks' mean")
-        ex = c._onebit  # noqa: SLF001 (the exchange whose errors were re-chunked)
+        ex = c.onebit  # the exchange whose errors were re-chunked
         if not np.array_equal(ex.worker_error[:n], mean64([o[1] for o in olds])) or ex.worker_error[n:].any():
             failed.append("1-bit worker error is not the old ranks' mean, padded anew")
         mine = sub2.allgather(ex.server_error)

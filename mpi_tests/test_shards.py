@@ -1,25 +1,22 @@
 """SLAMB on sharded tensors (docs/algorithm.md section 15): the ranks form an R x S grid (R replicas,
 each tensor cut into S row pieces as FSDP2's ``Shard(0)`` cuts it); the momentum exchange runs over
 the replicas of a piece, the norms over the pieces. Compared, at every step, with the dense float64
-reference of SLAMB at R ranks on whole tensors (mpi_tests/slamb_reference.py), at every R x S grid
+reference of SLAMB at R ranks on whole tensors (tests/support/slamb_reference.py), at every R x S grid
 of the MPI world (1, 2 and 4 ranks: 1x1, 1x2, 2x1, 1x4, 2x2, 4x1)."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from slamb_comm.wire.codecs import Layout, Shard
+from slamb_comm.wire.layout import Layout, Shard
 from slamb_comm.wire.masks import CyclicMask
 from slamb_comm.methods.slamb import SlambRule
 
-from slamb_reference import ReferenceSlamb
+from tests.support.slamb_reference import ReferenceSlamb
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
+from tests.support import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
 
 # (3, 5000): at 4 pieces of 1, 1, 1 and 0 rows (one rank holds nothing of it); (30, 40) and (200,)
 # are always dense; the others compressible

@@ -1,7 +1,6 @@
 """SLAMB on flat buffers over MPI, against the dense reference of docs/algorithm.md section 1."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -10,10 +9,9 @@ from mpi4py import MPI
 import slamb_comm as sc
 from slamb_comm.methods.slamb import SlambRule
 
-from slamb_reference import ReferenceSlamb
+from tests.support.slamb_reference import ReferenceSlamb
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
+from tests.support import strict_cupy  # noqa: E402  (the device kernels run on the CPU through it)
 
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250)]  # (30, 40) is below the dense threshold
 

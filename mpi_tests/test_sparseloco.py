@@ -7,21 +7,18 @@ for N = 1, 2 and 4. Every rank starts from its own parameters (the construction 
 0's) and gets gradients of its own; the reference simulates all P ranks, densely: each rank's
 sparse update is a vector of N elements, zero where nothing is sent."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from slamb_comm import MPITransport
-from slamb_comm.wire.codecs import Layout
+from slamb_comm.wire.layout import Layout
 from slamb_comm.wire.masks import CyclicMask
 from slamb_comm.methods.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 from slamb_comm.wire.stats import allgather_wire, allreduce_wire, broadcast_wire
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from adamw_reference import Adam  # noqa: E402
+from tests.support.adamw_reference import Adam  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -298,7 +295,7 @@ def test_core_disagreeing_options_raise_everywhere(variant, option):
 @pytest.fixture
 def sl(gloo):
     pytest.importorskip("torch")
-    from slamb_comm.adapters.torch import sparseloco
+    from slamb_comm.adapters.torch.periodic import sparseloco
 
     return sparseloco
 

@@ -1,5 +1,5 @@
 """The core's CuPy branches across ranks, on the CPU through the strict CuPy double
-(tests/strict_cupy.py), over the three ways device buffers travel:
+(tests/support/strict_cupy.py), over the three ways device buffers travel:
 
 * ``mpi-staged``: :class:`MPITransport` copying through host memory (MPI without CUDA);
 * ``mpi-direct``: :class:`MPITransport(cuda_aware=True)`, handing MPI the arrays themselves
@@ -13,21 +13,18 @@ too: they initialise MPI, which must not happen in the single-process suite (an 
 started later from that process would fail).
 """
 
-import os
-import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import slamb_comm as sc
-from mpi_checks import DEVICE_TRANSPORTS, device_transport
+from tests.support.mpi_checks import DEVICE_TRANSPORTS, device_transport
 from slamb_comm.methods.slamb import SlambRule
 
-from slamb_reference import ReferenceSlamb
+from tests.support.slamb_reference import ReferenceSlamb
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402
+from tests.support import strict_cupy  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 P, ME = WORLD.size, WORLD.rank

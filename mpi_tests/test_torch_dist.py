@@ -11,9 +11,7 @@ and for the DDP communication hooks. No test asserts a timing.
 
 import copy
 import datetime
-import os
 import socket
-import sys
 
 import numpy as np
 import pytest
@@ -23,13 +21,12 @@ dist = pytest.importorskip("torch.distributed")
 
 import slamb_comm  # noqa: E402
 from slamb_comm.adapters import torch as st  # noqa: E402
-from torch_reference import (  # noqa: E402
+from tests.support.torch_reference import (  # noqa: E402
     N_ALL, SHAPES, THRESHOLD, RefSlamb, RefTopK, batch, close, flat_params, grads_at, loss_of, make_model, maxdiff,
     set_flat, topk_close, topk_counts,
 )
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import strict_cupy  # noqa: E402  (fused="device": the GPU path on the CPU)
+from tests.support import strict_cupy  # noqa: E402  (fused="device": the GPU path on the CPU)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -163,7 +160,7 @@ def test_device_exchange_starts_in_ddp_hooks_before_the_backward_pass_ends(fused
     iteration (six here), so from the third step on -- the grouping of the step before -- every
     bucket's exchange starts from its hook, the first one before the backward pass has computed its
     last gradient; the steps before exchange from step(). Every step equals the dense reference."""
-    from slamb_comm.adapters.torch.flat_exchange import FlatExchange
+    from slamb_comm.adapters.torch.distributed.flat_exchange import FlatExchange
 
     model = make_model(1)
     net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
@@ -319,7 +316,7 @@ def test_flat_buckets_exchange_once_from_step_and_keep_gradients_local():
     opt = slamb_opt(model, fused=True)
     net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)
     (comm,) = opt.communicators
-    e = opt._engines[0]
+    e = opt.buckets[0]
     failed = [] if all(p.data_ptr() == v.data_ptr() for p, v in zip(e.params, e.flat.xv)) else ["not views"]
     exchanges = lambda: comm.stats.by_kind.get("masked_allreduce", slamb_comm.Traffic()).calls  # noqa: E731
     for t in range(1, 4):

@@ -48,7 +48,7 @@ step "build and runtime Python packages (numpy, mpi4py, pytest, pytest-mpi, hypo
 
 step "CuPy ${CUPY_VERSION} (cupy-cuda12x) and NVRTC (nvidia-cuda-nvrtc-cu12): the kernels' compile check, no GPU needed"
 # tests/test_kernels_nvrtc.py compiles slamb_comm's CUDA kernels with NVRTC on this CPU-only
-# machine; the strict double (tests/strict_cupy.py) charges CuPy's calls as CuPy 14.2 runs them.
+# machine; the strict double (tests/support/strict_cupy.py) charges CuPy's calls as CuPy 14.2 runs them.
 if "$PY" -c "import cupy, sys; from cupy_backends.cuda.libs import nvrtc; nvrtc.getVersion()
 sys.exit(0 if cupy.__version__ == '${CUPY_VERSION}' else 1)" 2>/dev/null; then
   echo "[setup]   already installed"

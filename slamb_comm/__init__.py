@@ -1,7 +1,5 @@
-"""slamb_comm: sparse communication for data-parallel training.
-
-The core works on NumPy (CPU) and CuPy (GPU) arrays over MPI (mpi4py), NCCL, or a
-single process, and imports neither torch nor horovod:
+"""slamb_comm: sparse communication for data-parallel training, on NumPy (CPU) and CuPy (GPU) arrays
+over MPI (mpi4py), NCCL or a single process; it imports neither torch nor horovod.
 
 >>> import numpy as np, slamb_comm as sc
 >>> x = [np.ones((64, 200), np.float32), np.zeros(10, np.float32)]
@@ -11,49 +9,22 @@ single process, and imports neither torch nor horovod:
 >>> comm.stats.total.calls
 2
 
-See :class:`Communicator` for the exchanges, :mod:`slamb_comm.wire.codecs` for the codecs,
-:mod:`slamb_comm.wire.masks` for the masks, :mod:`slamb_comm.exchange.transports` for the transports.
+The layers, from the bottom: :mod:`slamb_comm.device` (kernels), :mod:`slamb_comm.wire` (layout,
+masks, codecs, statistics), :mod:`slamb_comm.exchange` (transports, :class:`Communicator`),
+:mod:`slamb_comm.methods` (SLAMB and the other optimizers' rules); docs/core.md maps them.
 """
 
-from .wire.codecs import Layout, TopK, k_elems, topk_indices
+from .errors import (ConfigError, DTypeError, LayoutError, LayoutMismatchError, NonContiguousError, NonFiniteError,
+                     PeerError, SlambCommError)
 from .exchange.communicator import Communicator
-from .wire.masks import BernoulliMask, CyclicMask, TopKUnionMask
-from .errors import (
-    ConfigError,
-    DTypeError,
-    LayoutError,
-    LayoutMismatchError,
-    NonContiguousError,
-    NonFiniteError,
-    PeerError,
-    SlambCommError,
-)
-from .wire.stats import Stats, Traffic
 from .exchange.transports import LocalTransport, MPITransport, NCCLTransport, Transport
+from .wire.codecs import TopK, k_elems, topk_indices
+from .wire.layout import Layout
+from .wire.masks import BernoulliMask, CyclicMask, TopKUnionMask
+from .wire.stats import Stats, Traffic
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "Communicator",
-    "Layout",
-    "CyclicMask",
-    "BernoulliMask",
-    "TopKUnionMask",
-    "TopK",
-    "k_elems",
-    "topk_indices",
-    "Transport",
-    "MPITransport",
-    "NCCLTransport",
-    "LocalTransport",
-    "Stats",
-    "Traffic",
-    "SlambCommError",
-    "ConfigError",
-    "DTypeError",
-    "LayoutError",
-    "LayoutMismatchError",
-    "NonContiguousError",
-    "NonFiniteError",
-    "PeerError",
-]
+__all__ = ["Communicator", "Layout", "CyclicMask", "BernoulliMask", "TopKUnionMask", "TopK", "k_elems",
+           "topk_indices", "Transport", "MPITransport", "NCCLTransport", "LocalTransport", "Stats", "Traffic",
+           "SlambCommError", "ConfigError", "DTypeError", "LayoutError", "LayoutMismatchError",
+           "NonContiguousError", "NonFiniteError", "PeerError"]

@@ -2,7 +2,7 @@
 
 At 2 ranks under torchrun (SLAMB, SAdamW, DiLoCo and DES-LOC, whose replicas differ between
 syncs) and under mpirun with Horovod (SLAMB), each launch under an outer timeout: the job
-(tests/averaging_job.py) writes every rank's own state dict and the averaged one, and the test
+(tests/support/averaging_job.py) writes every rank's own state dict and the averaged one, and the test
 computes the mean itself. A model that differs between the ranks raises on every rank. In a
 single process the call is a copy.
 """
@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from launch import mpirun, torchrun
+from tests.support.launch import mpirun, torchrun
 
 torch = pytest.importorskip("torch")
 
-JOB = "tests/averaging_job.py"
+JOB = "tests.support.averaging_job"  # a module: "-m", JOB
 
 
 def assert_is_the_mean(out, name):
@@ -38,7 +38,7 @@ def assert_is_the_mean(out, name):
 
 
 def test_torch_averaged_state_dict_for_every_method_whose_replicas_drift(tmp_path):
-    proc = torchrun(2, JOB, "torch", str(tmp_path), timeout=180)
+    proc = torchrun(2, "-m", JOB, "torch", str(tmp_path), timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for name in ("slamb", "sadamw", "diloco", "desloc"):
         # the weights, the bf16 layer and BatchNorm's running statistics differ per rank
@@ -54,7 +54,7 @@ def _have_horovod():
 
 @pytest.mark.skipif(not _have_horovod(), reason="horovod.torch is not installed")
 def test_horovod_averaged_state_dict(tmp_path):
-    mpirun(2, JOB, "horovod", str(tmp_path), timeout=120)
+    mpirun(2, "-m", JOB, "horovod", str(tmp_path), timeout=120)
     assert assert_is_the_mean(tmp_path, "horovod_slamb") >= 5
     for rank in (0, 1):
         res = json.loads((tmp_path / f"horovod.{rank}.json").read_text())

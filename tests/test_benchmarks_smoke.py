@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launch import ROOT, mpirun  # noqa: E402
+from tests.support.launch import ROOT, mpirun  # noqa: E402
 CLUSTER = os.path.join(ROOT, "benchmarks", "cluster.py")
 
 
@@ -366,16 +366,22 @@ def test_integrations_benchmark_runs_every_arm(framework, tmp_path):
 
 # ---------------------------------------------------------------------------- peers (issue 27)
 def test_peers_benchmark_table_with_an_allreduce_and_an_allgather_method(tmp_path):
-    """benchmarks/peers.py at 2 ranks, 4 steps, one lr each: dense AdamW (the baseline) and DeMo
-    (an all-gather, whose wire grows with P): the CSV, the table and the cost model's wire."""
+    """benchmarks/peers.py at 2 ranks, 4 steps, one lr each, 8 sequences per rank (``--batch``,
+    issue 45): dense AdamW (the baseline) and DeMo (an all-gather, whose wire grows with P): the
+    CSV, its batch column and the runs' names, the table and the cost model's wire."""
     out_dir = tmp_path / "peers"
     proc = subprocess.run([sys.executable, "benchmarks/peers.py", "--methods", "adamw,demo", "--ranks", "2",
-                           "--steps", "4", "--eval-every", "2", "--seeds", "0", "--grid-size", "1",
+                           "--steps", "4", "--eval-every", "2", "--seeds", "0", "--grid-size", "1", "--batch", "8",
                            "--timeout", "240", "--out", str(out_dir)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = list(csv.DictReader(open(out_dir / "runs.csv")))
     assert sorted({r["method"] for r in rows}) == ["adamw", "demo"]
+    # --batch reaches the workers' rows and names the runs (only when it is not the example's 16)
+    assert {r["batch"] for r in rows} == {"8"}
+    assert sorted(os.listdir(out_dir / "runs")) == ["adamw_0_002_seed0_batch8.csv", "adamw_0_002_seed0_batch8.csv.log",
+                                                    "demo_0_001_seed0_batch8.csv", "demo_0_001_seed0_batch8.csv.log"]
+    assert "--batch 8" in (out_dir / "peers.md").read_text()
     last = {r["method"]: r for r in rows if r["step"] == "4"}
     assert float(last["adamw"]["payload_vs_dense"]) == 1.0
     assert 0 < float(last["demo"]["payload_vs_dense"]) < 0.1
@@ -402,6 +408,8 @@ def test_peers_benchmark_sparseloco_arms(tmp_path):
                            "--out", str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = list(csv.DictReader(open(out_dir / "runs.csv")))
+    assert {r["batch"] for r in rows} == {"16"}  # the default batch, not in the runs' names
+    assert not any("batch" in f for f in os.listdir(out_dir / "runs"))
     last = {r["method"]: r for r in rows if r["step"] == "4"}
     assert sorted(last) == ["sparseloco-shared@2@0.25", "sparseloco-sharedtopk@2@64", "sparseloco@2@64"]
     n = int(last["sparseloco@2@64"]["params"])

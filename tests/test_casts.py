@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm import arrays as A
 from slamb_comm.exchange import communicator as C
 from slamb_comm.methods.slamb import SlambRule

@@ -2,7 +2,7 @@
 ``hvd.shutdown()``) exit 0 on every rank, run after run: nothing of slamb_comm's is in flight
 once ``backward()`` and ``step()`` have returned (the step's collectives finish inside them),
 and on gloo the process groups are torn down at exit while the interpreter is whole (see
-``slamb_comm.adapters.torch.collectives``). Launched as users launch them, under outer
+``slamb_comm.adapters.torch.transport``). Launched as users launch them, under outer
 timeouts: torchrun (a DDP script, an Accelerate loop with a BERT model built from a config)
 and mpirun (Horovod). The abort this guards against needs a loaded machine to show (1 in 12
 runs of the DDP script under three busy loops, before the teardown).
@@ -10,7 +10,7 @@ runs of the DDP script under three busy loops, before the teardown).
 
 import pytest
 
-from launch import mpirun, torchrun  # noqa: E402
+from tests.support.launch import mpirun, torchrun  # noqa: E402
 
 pytest.importorskip("torch")
 

@@ -375,7 +375,7 @@ _FUSED = [(130, 150), (7,), (0,), (1,), (33, 5), (40, 40), (3,), (2, 3, 4), (1, 
 
 @pytest.fixture
 def strict_cp():
-    import strict_cupy
+    from tests.support import strict_cupy
 
     with strict_cupy.install() as mod:
         strict_cupy.Device.current = 0
@@ -441,7 +441,7 @@ def _encoded(wire, x):
 
 
 def test_the_per_tensor_table_is_copied_to_the_device_once(strict_cp):
-    import strict_cupy
+    from tests.support import strict_cupy
 
     lay = sc.Layout(_FUSED * 50, "float32", dense_threshold=50)
     wire = TopKWire(lay, 0.1, "float32")

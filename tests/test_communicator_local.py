@@ -649,7 +649,7 @@ def test_sparse_allgather_topk_dense_sends_always_dense_tensors_whole(topk_dense
 # operations, host-to-device copies and host reads.
 import threading  # noqa: E402
 
-import strict_cupy  # noqa: E402
+from tests.support import strict_cupy  # noqa: E402
 from slamb_comm.wire.codecs import topk_indices_reference  # noqa: E402
 
 

@@ -1,13 +1,11 @@
 """The examples' data loaders: real loading code, deterministic, on small slices."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import common  # noqa: E402
+from tests.support.launch import script_module
+
+common = script_module("examples/common.py")
 
 
 def test_stdlib_corpus_is_deterministic_text():

@@ -1,5 +1,5 @@
 """DDP misuse is never silent (issue 22), and SlambHookState binds after DDP wraps the model:
-2 ranks under torchrun (gloo, CPU) with an outer timeout (tests/launch.py).
+2 ranks under torchrun (gloo, CPU) with an outer timeout (tests/support/launch.py).
 
 The script asserts on every rank: a SLAMB or top-k distributed optimizer whose parameters
 belong to a DDP module without slamb_comm's hook raises at its first step naming the fix; a
@@ -8,7 +8,7 @@ SlambHookState raises naming bind(); a state bound after DDP wrapped the model t
 as one built with the optimizer.
 """
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 import pytest
 
@@ -18,7 +18,7 @@ SCRIPT = r'''
 import time, torch, torch.distributed as dist
 import slamb_comm
 from slamb_comm.adapters import torch as st
-from slamb_comm.adapters.torch import contract
+from slamb_comm.adapters.torch.distributed import contract
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 DDP = torch.nn.parallel.DistributedDataParallel

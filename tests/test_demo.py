@@ -15,7 +15,7 @@ from slamb_comm.methods.demo import DCTChunks, DeMo, dct_matrix
 SHAPES = [(20, 13), (7,), (3, 4, 5), (16, 16), (), (9, 1)]
 
 
-from demo_reference import RefDeMo, dct_table, ref_extract  # noqa: E402  (tests/ is on the path)
+from tests.support.demo_reference import RefDeMo, dct_table, ref_extract  # noqa: E402
 
 
 def params(seed=0, shapes=SHAPES, dtype=np.float64):

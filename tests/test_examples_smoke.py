@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, mpirun  # noqa: E402
+from tests.support.launch import ROOT, mpirun  # noqa: E402
 
 
 def test_numpy_slamb_example_runs_and_reports_bytes():

@@ -113,9 +113,8 @@ def test_onebit_lamb_is_refused_under_elastic_horovod():
 
 
 NCCL_SCRIPT = """
-import os, sys
-sys.path.insert(0, {tests!r})
-import numpy as np, strict_cupy
+import numpy as np
+from tests.support import strict_cupy
 strict_cupy.install()  # the CuPy double: its NCCL runs over MPI, and blocks like NCCL would
 import cupy
 import slamb_comm as sc
@@ -135,11 +134,9 @@ def test_failing_rank_with_nccl_ends_the_job(tmp_path):
     """With NCCLTransport alone (no MPITransport in the job), an uncaught exception on one rank
     used to leave the others inside an NCCL collective forever; now it aborts NCCL, then MPI."""
     pytest.importorskip("mpi4py")
-    script = tmp_path / "train.py"
-    script.write_text(NCCL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     t0 = time.monotonic()
-    proc = subprocess.run(
-        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "2", "90", sys.executable, str(script)],
+    proc = subprocess.run(  # python -c: the working directory (the repository) on the path, for tests.support
+        ["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "2", "90", sys.executable, "-c", NCCL_SCRIPT],
         cwd=ROOT, capture_output=True, text=True, timeout=150,
     )
     elapsed = time.monotonic() - t0

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.adapters.torch import SLAMB
 from slamb_comm.errors import ConfigError
 
@@ -82,7 +82,7 @@ def test_flat_steps_are_the_tensorwise_steps(each):
         train(m, opt, 14, hook)
         out[fused] = params_of(m)
         if fused:
-            e = opt._engines[0]
+            e = opt.buckets[0]
             assert all(e.params[i].data_ptr() == e.flat.xv[i].data_ptr() for i in e.flat.viewed)
             assert len(e.flat.copied) == (1 if each == "made_non_contiguous" else 0)
     close(out[False], out[True])
@@ -110,10 +110,10 @@ def test_flat_sixteen_bit_and_non_contiguous_parameters_are_copied():
         return m, opt
 
     (a, _), (b, opt) = run(False), run(True)
-    flat = opt._engines[0].flat
+    flat = opt.buckets[0].flat
     assert b[0].weight.is_contiguous(memory_format=torch.channels_last)  # its memory format kept
     assert b[2].weight.dtype == torch.float16
-    copied = {id(opt._engines[0].params[i]) for i in flat.copied}
+    copied = {id(opt.buckets[0].params[i]) for i in flat.copied}
     assert {id(b[0].weight), id(b[2].weight), id(b[2].bias)} <= copied
     close(params_of(a), params_of(b), rtol=2e-3)  # the float16 parameters round alike, up to one ulp
 
@@ -196,7 +196,7 @@ def step_counts(n_tensors, distributed=False, steps=10, new_grads=False):
     opt = SLAMB(ps, lr=0.01, ratio=0.25, beta3=0.9, sync_interval=1000, dense_threshold=60, fused=True)
     if distributed:
         opt = DistributedOptimizer(opt, named_parameters=[(f"p{i}", p) for i, p in enumerate(ps)])
-    assert isinstance(opt._engines[0].flat.array, strict_cupy.ndarray)
+    assert isinstance(opt.buckets[0].flat.array, strict_cupy.ndarray)
     for t in range(steps):  # the last one is settled (after the mask's first cycle: C = 4)
         for i, p in enumerate(ps):
             if new_grads or p.grad is None:

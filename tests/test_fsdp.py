@@ -1,4 +1,4 @@
-"""HybridSLAMB under FSDP2 itself: torchrun, gloo, CPU ranks (tests/fsdp_job.py).
+"""HybridSLAMB under FSDP2 itself: torchrun, gloo, CPU ranks (tests/support/fsdp_job.py).
 
 At meshes 1 x 2, 2 x 1 and 2 x 2 (replicas x pieces) the sharded run's parameters equal, at every
 step, the dense float64 reference of SLAMB at R ranks on the unsharded model (docs/algorithm.md
@@ -13,13 +13,13 @@ import os
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("torch")
 
 
 def _run(tmp_path, mode, R, S):
-    proc = torchrun(R * S, "tests/fsdp_job.py", mode, str(R), str(S), str(tmp_path), timeout=300)
+    proc = torchrun(R * S, "-m", "tests.support.fsdp_job", mode, str(R), str(S), str(tmp_path), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {m: [json.load(open(os.path.join(tmp_path, f"{m}.{k}.json"))) for k in range(R * S)]
             for m in mode.split("+")}
@@ -80,7 +80,7 @@ def test_hybrid_slamb_and_sadamw_on_a_2x2_mesh_match_refuse_and_keep_the_recipes
 
 
 def test_a_script_that_ends_without_tearing_down_exits_cleanly(tmp_path):
-    proc = torchrun(2, "tests/fsdp_job.py", "no_teardown", "2", "1", str(tmp_path), timeout=200)
+    proc = torchrun(2, "-m", "tests.support.fsdp_job", "no_teardown", "2", "1", str(tmp_path), timeout=200)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
     assert json.load(open(os.path.join(tmp_path, "no_teardown.0.json")))["steps"] == 2

@@ -1,9 +1,9 @@
 """FSDP2 / HSDP under the launchers its users use: torchrun, and Lightning's Trainer (4 CPU ranks,
-gloo, a 2 x 2 mesh of replicas x shards; each launch under an outer timeout, tests/launch.py).
+gloo, a 2 x 2 mesh of replicas x shards; each launch under an outer timeout, tests/support/launch.py).
 
 * examples/fsdp_slamb.py (FSDP2 on a small transformer, HybridSLAMB across the replicas) trains
   and sends well under HSDP's dense replica allreduce.
-* Lightning (tests/fsdp_framework_job.py): SlambModelParallelStrategy + HybridSLAMB train; the
+* Lightning (tests/support/fsdp_framework_job.py): SlambModelParallelStrategy + HybridSLAMB train; the
   replicas differ between SLAMB's periodic syncs and are equal after one; the checkpoint's model
   (a torch.distributed.checkpoint folder) is the float64 mean of the replicas, whole and better
   than the start; a new Trainer's fit(ckpt_path=...) from the per-rank files is bitwise the
@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
@@ -43,7 +43,7 @@ def _mean_of_replicas(files, name):
 
 
 def test_lightning_fsdp2_trains_syncs_saves_and_resumes(tmp_path):
-    proc = torchrun(4, "tests/fsdp_framework_job.py", str(tmp_path), timeout=300)
+    proc = torchrun(4, "-m", "tests.support.fsdp_framework_job", str(tmp_path), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = [json.loads((tmp_path / f"job.{k}.json").read_text()) for k in range(4)]
     for k, r in enumerate(res):
@@ -64,7 +64,7 @@ def test_lightning_fsdp2_trains_syncs_saves_and_resumes(tmp_path):
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    import fsdp_framework_job as job
+    from tests.support import fsdp_framework_job as job
 
     ckpt = tmp_path / "ckpt"
     whole = torch.load(tmp_path / "full.pt")

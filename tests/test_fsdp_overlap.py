@@ -1,8 +1,8 @@
 """HybridSLAMB's momentum exchange overlapped with FSDP2's backward pass (issue 35;
-adapters/torch/fsdp_overlap.py): torchrun, gloo, CPU ranks (tests/fsdp_overlap_job.py).
+adapters/torch/fsdp/overlap.py): torchrun, gloo, CPU ranks (tests/support/fsdp_overlap_job.py).
 
 * At meshes 1 x 2, 2 x 1 and 2 x 2 the run with the overlap (``overlap=True``) equals the dense float64
-  reference of tests/fsdp_job.py's ``match`` at every step, each step applying the exchange started
+  reference of tests/support/fsdp_job.py's ``match`` at every step, each step applying the exchange started
   during the backward pass (one allreduce per FSDP module).
 * The first modules' exchanges start while autograd is still computing the earlier layers.
 * What users do between backward() and step() (GradScaler.unscale_ and clip_grad_norm_, a second
@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("torch")
 
@@ -26,7 +26,7 @@ EACH = [True] * 5
 
 
 def _run(tmp_path, mode, R, S):
-    proc = torchrun(R * S, "tests/fsdp_overlap_job.py", mode, str(R), str(S), str(tmp_path), timeout=240)
+    proc = torchrun(R * S, "-m", "tests.support.fsdp_overlap_job", mode, str(R), str(S), str(tmp_path), timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {m: [json.load(open(os.path.join(tmp_path, f"{m}.{k}.json"))) for k in range(R * S)]
             for m in mode.split("+")}

@@ -1,5 +1,5 @@
 """HybridSLAMB's torch.distributed.checkpoint resumed at another replica count (docs/algorithm.md sections 10
-and 15.3): torchrun, gloo, CPU ranks (tests/fsdp_resize_job.py).
+and 15.3): torchrun, gloo, CPU ranks (tests/support/fsdp_resize_job.py).
 
 A 2 x 2 run (replicas x pieces) saves right after a periodic sync (step 5) and between syncs (step 7); the
 checkpoints are resumed on 2 x 2 (bitwise the uninterrupted run), 1 x 4, 1 x 2 and 2 x 1, and a 1 x 2
@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_resize")
     results = {}
     for mode, n in (("four", 4), ("two", 2)):
-        proc = torchrun(n, "tests/fsdp_resize_job.py", mode, str(out), timeout=150)
+        proc = torchrun(n, "-m", "tests.support.fsdp_resize_job", mode, str(out), timeout=150)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         results[mode] = [json.load(open(os.path.join(out, f"{mode}.{k}.json"))) for k in range(n)]
     return out, results

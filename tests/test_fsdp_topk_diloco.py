@@ -1,4 +1,4 @@
-"""HybridTopK, DiLoCo and DesLoc on a model sharded by FSDP2: torchrun, gloo, CPU ranks (tests/fsdp_topk_job.py).
+"""HybridTopK, DiLoCo and DesLoc on a model sharded by FSDP2: torchrun, gloo, CPU ranks (tests/support/fsdp_topk_job.py).
 
 At meshes 1 x 2, 2 x 1 and 2 x 2 (replicas x pieces), at every step, each rank's pieces equal the
 dense float64 references written out in the job (docs/algorithm.md sections 15.1 and 15.2):
@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("torch")
 
@@ -27,7 +27,7 @@ BOUND = 1e-9  # float64 throughout: about 1e-16 here (the gradients are FSDP2's 
 
 
 def _run(tmp_path, mode, R, S):
-    proc = torchrun(R * S, "tests/fsdp_topk_job.py", mode, str(R), str(S), str(tmp_path), timeout=300)
+    proc = torchrun(R * S, "-m", "tests.support.fsdp_topk_job", mode, str(R), str(S), str(tmp_path), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return {m: [json.load(open(os.path.join(tmp_path, f"{m}.{k}.json"))) for k in range(R * S)]
             for m in mode.split("+")}

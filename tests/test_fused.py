@@ -1,7 +1,7 @@
 """SLAMB's device step (slamb_comm/device/slamb_step.py: the kernels of slamb_comm/device/kernels.py), on one process.
 
 The kernels run here through the strict CuPy double, which compiles their CUDA source for the
-host and executes it (tests/strict_cupy.py), so every line of their arithmetic runs in CI:
+host and executes it (tests/support/strict_cupy.py), so every line of their arithmetic runs in CI:
 
 * the payload the pack kernel writes is, bit for bit, the CPU path's payload (the cyclic mask's
   positions in its order, the same values), at every step of a cycle and the first cycle;
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.methods.slamb import SlambRule
 
 SHAPES = [(60, 200), (200,), (30, 40), (40, 250), (7,), (90, 110)]
@@ -89,11 +89,11 @@ def test_payload_is_the_cpu_payload(double, ratio, vdt):
         cpu.m[...] = m
         cpu.t = t - 1
         cpu.begin_step()
-        counts = cpu.counts()
+        counts = cpu.tensorwise.counts()
         want = np.empty(sum(counts), cpu.comm.value_dtype)
         starts = np.cumsum([0] + counts)
         for i, gi in enumerate(cpu.layout.flat_views(g)):
-            cpu.accumulate(i, gi, out=want[starts[i] : starts[i + 1]])
+            cpu.tensorwise.accumulate(i, gi, out=want[starts[i] : starts[i + 1]])
         cpu.abort_step()
         dev.place(cp.asarray(m))
         dev.m[...] = cp.asarray(m)

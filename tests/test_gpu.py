@@ -196,7 +196,7 @@ def test_torch_slamb_on_cuda_flat_matches_cpu_tensor_by_tensor():
         return opt, [p.detach().cpu() for p in ps]
 
     opt_gpu, gpu = run("cuda", None)
-    assert all(e.flat is not None for e in opt_gpu._engines)
+    assert all(e.flat is not None for e in opt_gpu.buckets)
     _, cpu = run("cpu", False)
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # the updates moved x by up to 6 * lr = 0.06

@@ -17,11 +17,11 @@ import sys
 
 import pytest
 
+from tests.support.launch import script_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
-sys.path.insert(0, BENCH)
-
-import gpu_step  # noqa: E402
+gpu_step = script_module("benchmarks/gpu_step.py")
 
 
 def _run(script, *args, timeout=120):

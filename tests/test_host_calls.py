@@ -30,7 +30,7 @@ import torch
 
 import slamb_comm
 import slamb_comm.adapters
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.adapters.torch import SLAMB
 from slamb_comm.errors import LayoutError
 

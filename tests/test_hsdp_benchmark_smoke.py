@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from launch import torchrun  # noqa: E402
+from tests.support.launch import torchrun  # noqa: E402
 
 pytest.importorskip("torch")
 

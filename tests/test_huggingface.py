@@ -1,6 +1,6 @@
 """slamb_comm.adapters.huggingface under the real transformers.Trainer and Accelerate: 2 ranks
-under torchrun (gloo, CPU), each launch under an outer timeout (tests/launch.py). The jobs are
-tests/hf_job.py; they assert on every rank and write what they measured.
+under torchrun (gloo, CPU), each launch under an outer timeout (tests/support/launch.py). The jobs are
+tests/support/hf_job.py; they assert on every rank and write what they measured.
 
 * SlambTrainer, SLAMB at ratio 1 with the Trainer's default clipping (max_grad_norm=1.0):
   bitwise the stock DDP + slamb_hook loop replayed on the Trainer's batches (that loop is
@@ -20,17 +20,17 @@ import json
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
-JOB = "tests/hf_job.py"
+JOB = "tests.support.hf_job"  # a module: "-m", JOB
 
 
 def run_case(case, out):
-    proc = torchrun(2, JOB, case, str(out), timeout=180)
+    proc = torchrun(2, "-m", JOB, case, str(out), timeout=180)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     res = [json.loads((out / f"{case}.{rank}.json").read_text()) for rank in (0, 1)]
@@ -59,7 +59,7 @@ def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
     assert res == {"slamb_ranks_differ": True, "topk_ranks_differ": False}
     # the same checkpoint (saved at 2 ranks) on 1 rank: both ranks' files averaged (docs/algorithm.md
     # section 10), no rank-0 fallback, training goes on
-    proc = torchrun(1, JOB, "resize", str(tmp_path), timeout=180)
+    proc = torchrun(1, "-m", JOB, "resize", str(tmp_path), timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads((tmp_path / "resize.0.json").read_text())
     assert res["slamb_params_averaged"] >= 2 and res["slamb_optimizer_averaged"] >= 4, res  # between syncs

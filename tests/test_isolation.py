@@ -52,7 +52,8 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 
 TORCH_PKG = pathlib.Path(__file__).resolve().parents[1] / "adapters" / "torch"
-TORCH_MODULES = sorted(p.stem for p in TORCH_PKG.glob("*.py") if p.stem != "__init__")
+TORCH_MODULES = sorted(".".join(p.relative_to(TORCH_PKG).with_suffix("").parts) for p in TORCH_PKG.rglob("*.py")
+                       if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("module", TORCH_MODULES)
@@ -69,11 +70,11 @@ def test_torch_adapter_modules_are_small_and_import_no_private_names():
     """No module of the adapters is over 700 lines, and none imports a private name
     (``_name``) from a sibling module: what is shared between rooms is named as shared."""
     too_long, private = [], []
-    for path in sorted(TORCH_PKG.glob("*.py")) + sorted(TORCH_PKG.parent.glob("*.py")):
+    for path in sorted(TORCH_PKG.rglob("*.py")) + sorted(TORCH_PKG.parent.glob("*.py")):
         text = path.read_text()
         if text.count("\n") > 700:
             too_long.append(f"{path.name}: {text.count(chr(10))} lines")
-        for m in re.finditer(r"^\s*from \.+(\w*) import ([^\n]+)", text, re.M):
+        for m in re.finditer(r"^\s*from \.+([\w.]*) import ([^\n]+)", text, re.M):
             names = [n.strip(" ()").split(" as ")[0] for n in m.group(2).split(",")]
             private += [f"{path.name}: {n} from .{m.group(1)}" for n in names if n.startswith("_")]
     assert not too_long, too_long

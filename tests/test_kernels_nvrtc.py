@@ -1,7 +1,7 @@
 """slamb_comm's CUDA kernels compile under NVRTC, without a GPU.
 
 The strict CuPy double runs ``slamb_comm.device.kernels.SOURCE`` through the host's C++ compiler
-(``tests/host_kernels.py``); this checks the other side of the dialect: NVRTC (the compiler
+(``tests/support/host_kernels.py``); this checks the other side of the dialect: NVRTC (the compiler
 ``cupy.RawModule`` uses on a GPU) takes the same text with ``slamb_comm.device.kernels.OPTIONS`` for
 the A100's and H100's architectures, every kernel the library can ask for is an entry of the
 PTX, and no multiply-add is contracted (``--fmad=false``: the device rounds ``a * b + c`` twice,

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 
 from slamb_comm.device import kernels
-from test_kernels_nvrtc import _ptx
+from tests.test_kernels_nvrtc import _ptx
 
 ARCH = "sm_90"
 

@@ -1,5 +1,5 @@
 """slamb_comm.adapters.lightning under a real Lightning Trainer: 2 ranks under torchrun (gloo,
-CPU), each launch under an outer timeout (tests/launch.py). The jobs are tests/lightning_job.py;
+CPU), each launch under an outer timeout (tests/support/launch.py). The jobs are tests/support/lightning_job.py;
 they assert on every rank and print what they measured.
 
 * SLAMB at ratio 1 equals the stock DDP + slamb_hook loop (compared with the dense reference of
@@ -19,16 +19,16 @@ import json
 
 import pytest
 
-from launch import torchrun
+from tests.support.launch import torchrun
 
 pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
 
-JOB = "tests/lightning_job.py"
+JOB = "tests.support.lightning_job"  # a module: "-m", JOB
 
 
 def run_case(case, out, *extra):
-    proc = torchrun(2, JOB, case, str(out), *extra, timeout=180)
+    proc = torchrun(2, "-m", JOB, case, str(out), *extra, timeout=180)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     res = [json.loads((out / f"{case}.{rank}.json").read_text()) for rank in (0, 1)]
@@ -65,7 +65,7 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
     assert res["slamb_ranks_differ"] is True
     # the same checkpoint (saved at 2 ranks) on 1 rank: both ranks' files averaged (docs/algorithm.md
     # section 10), no rank-0 fallback, training goes on
-    proc = torchrun(1, JOB, "resize", str(tmp_path), timeout=180)
+    proc = torchrun(1, "-m", JOB, "resize", str(tmp_path), timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads((tmp_path / "resize.0.json").read_text())
     assert res["slamb_params_averaged"] >= 2 and res["slamb_optimizer_averaged"] >= 4, res  # between syncs

@@ -1,6 +1,6 @@
 """1-bit LAMB and the 1-bit exchange on a device (slamb_comm.device.onebit_kernels; docs/onebit_lamb.md section 5).
 
-On the strict CuPy double (tests/strict_cupy.py), which runs the kernels' host build: the device
+On the strict CuPy double (tests/support/strict_cupy.py), which runs the kernels' host build: the device
 paths give the NumPy path's results (the exchange bit for bit; 1-bit LAMB within float rounding:
 its per-tensor norms are summed per tile) at 10, 100 and 1,000 tensors, in both stages, for a
 fused buffer and a list of arrays, float16 where it applies, with a non-finite gradient; their
@@ -8,6 +8,7 @@ counted costs (launches the same at any number of tensors, device bytes per para
 the device after the first step, host reads); and NVRTC compiles every kernel (no device needed).
 """
 
+import gc
 import pickle
 import re
 
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.device import kernels
 from slamb_comm.device import onebit_kernels
 from slamb_comm.errors import NonFiniteError
 from slamb_comm.exchange.onebit import tree_depth
 from slamb_comm.methods.onebit_lamb import OneBitLambRule
-from test_communicator_local import ThreadRanks
+from tests.test_communicator_local import ThreadRanks
 
 TENSORS = (10, 100, 1000)
 
@@ -149,7 +150,7 @@ def test_exchange_gives_numpys_bits(P, dtype, vdt, total):
                     vals = np.random.default_rng(10 * step + r).standard_normal(lay.total).astype(dtype)
                     x = on(xp, vals, shapes, fused)
                     comm.onebit_allreduce(x)
-                    ex = comm._onebit
+                    ex = comm.onebit
                     got += [flat(x), host(ex.worker_error), host(ex.server_error)]
                 return got
 
@@ -162,6 +163,7 @@ def test_exchange_gives_numpys_bits(P, dtype, vdt, total):
 
 
 def _count_exchange(cp, tensors, fused, calls=3):
+    gc.collect()  # a communicator of an earlier call (a cycle with its exchanges) must not die mid-measurement
     shapes = shapes_of(tensors, 100_000)
     lay = sc.Layout(shapes, "float32", dense_threshold=0)
     comm = sc.Communicator(Twin(), lay, seed=1)

@@ -1,5 +1,5 @@
 """Single-process tests of the 1-bit LAMB rule (slamb_comm.methods.onebit_lamb, docs/onebit_lamb.md
-section 2 with section 3's choices) against its float64 simulation (tests/onebit_reference.py),
+section 2 with section 3's choices) against its float64 simulation (tests/support/onebit_reference.py),
 against docs/algorithm.md's LAMB (the warm-up with bias correction), and for failures, state and the
 CuPy branch (strict double)."""
 
@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-import onebit_reference as ref
+from tests.support import onebit_reference as ref
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.errors import ConfigError, NonFiniteError
 from slamb_comm.methods.onebit_lamb import OneBitLambRule
 from slamb_comm.methods.slamb import SlambRule

@@ -1,7 +1,7 @@
 """Single-process tests of the 1-bit exchange (slamb_comm.exchange.onebit, docs/onebit_lamb.md section 1)
 and of LocalTransport.alltoall: the float64 reference of the page, the "nothing is lost"
 identity, failures that change nothing, the state_dict round trip, byte counts, and the CuPy
-branch through the strict double (tests/strict_cupy.py) with its host reads counted."""
+branch through the strict double (tests/support/strict_cupy.py) with its host reads counted."""
 
 import math
 import pickle
@@ -9,9 +9,9 @@ import pickle
 import numpy as np
 import pytest
 
-import onebit_reference as ref
+from tests.support import onebit_reference as ref
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.errors import ConfigError, LayoutError, LayoutMismatchError, NonFiniteError
 from slamb_comm.exchange.onebit import OneBitExchange, pack_signs, padded_size, unpack_signs
 
@@ -96,8 +96,8 @@ def test_status_codes_are_defined_once():
 
 def test_one_exchange_per_communicator():
     comm = sc.Communicator(None, make(0), seed=1)
-    ex = OneBitExchange.of(comm)
-    assert OneBitExchange.of(comm) is ex and ex.comm is comm
+    ex = comm.onebit
+    assert comm.onebit is ex and ex.comm is comm
     assert OneBitExchange(comm) is not ex
 
 
@@ -281,7 +281,7 @@ def test_communicator_method_and_its_state_dict_carry_the_exchange():
     assert "onebit" not in a.state_dict()
     for step in range(3):
         a.onebit_allreduce(make(step))
-    assert OneBitExchange.of(a).worker_error is not None
+    assert a.onebit.worker_error is not None
     saved = pickle.loads(pickle.dumps(a.state_dict()))
     b = sc.Communicator(None, make(0), seed=1)
     b.load_state_dict(saved)
@@ -371,7 +371,7 @@ def test_cupy_branch_non_finite_and_mixed_libraries(cp):
 # The caller's arrays go into the fused buffer with one copy (a fused input) or one concatenate
 # (a list), and come back with one copy, or one per tensor for a list (they are the caller's own
 # arrays): every other operation works on the whole buffer.
-from test_communicator_local import ThreadRanks, _count_calls  # noqa: E402
+from tests.test_communicator_local import ThreadRanks, _count_calls  # noqa: E402
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
@@ -393,7 +393,7 @@ def test_list_and_fused_inputs_give_the_same_bits_on_both_libraries(P, dtype):
                         if fused:
                             x = xp.concatenate([a.reshape(-1) for a in x])
                         assert comm.onebit_allreduce(x) is x
-                        ex = comm._onebit
+                        ex = comm.onebit
                         got.append((flat(x) if not fused else np.array(sc.arrays.to_host(x)),
                                     np.array(sc.arrays.to_host(ex.worker_error)),
                                     np.array(sc.arrays.to_host(ex.server_error))))

@@ -10,7 +10,7 @@ import pytest
 import slamb_comm as sc
 from slamb_comm.methods.periodic import DesLoc, DiLoCo
 
-from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
+from tests.support.adamw_reference import Adam  # noqa: E402
 
 SHAPES = [(6, 5), (7,), (3, 4)]
 N = sum(int(np.prod(s)) for s in SHAPES)

@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slamb_comm.wire.codecs import Layout, TopKWire, k_elems, topk_indices_reference
+from slamb_comm.wire.codecs import TopKWire, k_elems, topk_indices_reference
+from slamb_comm.wire.layout import Layout
 from slamb_comm.wire.masks import CyclicMask
 
 shapes_st = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=5)

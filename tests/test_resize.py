@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slamb_comm.methods.resize import resize
-from state_compare import averaged_from_two, leaves
+from tests.support.state_compare import averaged_from_two, leaves
 
 
 def states(P):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.methods.slamb import SlambRule
 
 
@@ -61,7 +61,7 @@ def test_derived_freshness_is_the_simulated_one():
     x = [np.ones((40, 300), np.float32), np.ones(30, np.float32), np.ones((70, 150), np.float32)]
     comm = sc.Communicator(None, x, ratio=0.3, seed=8, dense_threshold=100)
     opt = SlambRule(comm, lr=0.01, beta3=0.8)
-    assert opt.derived and opt._f is None
+    assert opt.derived and opt.state.f is None
     f = np.ones(comm.layout.total)
     for t in range(1, 12):
         opt.step(x, [np.full_like(a, 0.1 * t) for a in x])
@@ -102,3 +102,34 @@ def test_a_steps_scratch_is_bounded_by_the_largest_tensor():
     n, largest = comm.layout.total, 1024 * 512
     payload = 4 * (0.1 * n + 8 * 512)
     assert peak < 0.25 * 4 * largest + 2 * payload, (peak, largest, payload)  # the model is 8x the largest tensor
+
+
+class _SecondRank(sc.LocalTransport):
+    """Rank 1 of 2 whose twin sends what it sends (for construction-time agreements only)."""
+
+    rank, size = 1, 2
+
+    def allgather(self, sendbuf, recvbuf):
+        recvbuf[: sendbuf.size] = sendbuf
+        recvbuf[sendbuf.size :] = sendbuf
+
+
+def test_a_warning_at_construction_when_compression_cannot_save(caplog):
+    """Issue 46: a layout of small and 1-D tensors (always sent whole) expects more bytes per step than
+    a dense allreduce: one warning on rank 0 at construction, naming the share and the fix; none for a
+    layout where the mask saves, none on another rank."""
+    small = [np.zeros((30, 30), np.float32), np.zeros(100, np.float32)]
+    with caplog.at_level("WARNING", logger="slamb_comm"):
+        SlambRule(sc.Communicator(None, small, ratio=0.1, seed=1))
+    assert len(caplog.records) == 1, caplog.text
+    text = caplog.records[0].getMessage()
+    assert "101% of a dense allreduce" in text and "2 of 2 tensors are always sent whole" in text, text
+    assert "Lower dense_threshold=" in text and "DDP" in text, text
+    want = (900 + 100 + 1) * 4 + (1000 + 1) * 4 / 100
+    assert sc.methods.slamb.expected_payload(sc.Communicator(None, small, ratio=0.1, seed=1), 100) == (want, 4000)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slamb_comm"):
+        SlambRule(sc.Communicator(None, [np.zeros((300, 300), np.float32)], ratio=0.1, seed=1))
+        SlambRule(sc.Communicator(_SecondRank(), small, ratio=0.1, seed=1))
+        SlambRule(sc.Communicator(None, small, ratio=0.1, seed=1), warn_payload=False)
+    assert not caplog.records, caplog.text

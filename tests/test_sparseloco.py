@@ -14,7 +14,7 @@ import slamb_comm as sc
 from slamb_comm.wire.chunk_topk import ChunkTopK, pack_bits, unpack_bits
 from slamb_comm.methods.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
 
-from adamw_reference import Adam  # noqa: E402  (tests/ is on the path)
+from tests.support.adamw_reference import Adam  # noqa: E402
 
 SHAPES = [(20, 15), (15,), (4, 9)]
 N = sum(int(np.prod(s)) for s in SHAPES)
@@ -342,7 +342,7 @@ def test_nonfinite_changes_nothing(variant):
 
 # ----------------------------------------------------------------------------- torch adapter
 torch = pytest.importorskip("torch")
-from slamb_comm.adapters.torch import sparseloco as tsl  # noqa: E402
+import slamb_comm.adapters.torch as tsl  # noqa: E402
 
 
 def tparams(dtype=torch.float64, positive=False):
@@ -409,7 +409,7 @@ def test_torch_errors():
 
 
 # ----------------------------------------------------------------------------- the CuPy branch (strict double)
-import strict_cupy  # noqa: E402  (tests/ is on the path)
+from tests.support import strict_cupy  # noqa: E402
 
 
 @pytest.mark.parametrize("variant,reads", [("topk", 1), ("mask", 1), ("shared_topk", 2)])

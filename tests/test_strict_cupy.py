@@ -1,4 +1,4 @@
-"""The core's CuPy branches on the CPU, through the strict CuPy double (tests/strict_cupy.py),
+"""The core's CuPy branches on the CPU, through the strict CuPy double (tests/support/strict_cupy.py),
 each compared with the NumPy branch; the GPU defects found that way; host synchronisations
 per step, counted; the double's counts of device operations, host-to-device copies and device
 bytes, its device-memory accounting, and its raw CUDA kernels (toy kernels in the dialect of
@@ -18,7 +18,7 @@ import pytest
 
 import slamb_comm as sc
 import slamb_comm.device.kernels as K
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.wire.codecs import TopKWire, topk_indices, topk_indices_reference
 from slamb_comm.methods.slamb import SlambRule
 
@@ -458,7 +458,8 @@ MISMATCHES = [
     ("a python int for long long", lambda cp, x, y: (x, y, np.float32(0.5), 8), r"argument 3 \(long long n\).*int"),
     ("int32 for long long", lambda cp, x, y: (x, y, np.float32(0.5), np.int32(8)), r"argument 3.*int32"),
     ("float64 array for const float*", lambda cp, x, y: (x.astype(np.float64), y, np.float32(0.5), np.int64(8)),
-     r"argument 0 \(const float\* x\) takes a device array of float32, got strict_cupy.ndarray of float64"),
+     r"argument 0 \(const float\* x\) takes a device array of float32, got "
+     r"tests\.support\.strict_cupy\.ndarray of float64"),
     ("a host array", lambda cp, x, y: (x, np.zeros(8, np.float32), np.float32(0.5), np.int64(8)),
      r"argument 1.*host memory"),
     ("too few arguments", lambda cp, x, y: (x, y, np.float32(0.5)), "takes 4 arguments, got 3"),

@@ -1,7 +1,7 @@
 """The top-k exchange on a device (slamb_comm/device/topk_kernels.py, issue 33): bitwise the NumPy path,
 and its counted costs against torch.topk's.
 
-On the strict CuPy double (tests/strict_cupy.py), whose host build of the kernels executes every
+On the strict CuPy double (tests/support/strict_cupy.py), whose host build of the kernels executes every
 line of their arithmetic and which charges every operation at its bytes, launches, host copies
 and transient memory, :meth:`Communicator.sparse_allgather` must give, bit for bit, the NumPy
 path's mean, error buffer and payload (the same picks: the ``k_elems`` largest ``|c|`` per tensor,
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import slamb_comm as sc
-import strict_cupy
+from tests.support import strict_cupy
 from slamb_comm.device import kernels
 from slamb_comm.device import topk_kernels
-from test_kernels_nvrtc import _nvrtc
+from tests.test_kernels_nvrtc import _nvrtc
 
 #: Device bytes per element of ``torch.topk(a, k)`` on one float32 slice of 655,360 elements (the
 #: baseline a GPU user compares with). Source: pytorch/pytorch aten/src/ATen/native/cuda/

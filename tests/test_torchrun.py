@@ -1,5 +1,5 @@
 """torch.distributed jobs launched as their users launch them: ``torchrun`` (through
-tests/launch.py, with an outer timeout), CPU processes on gloo.
+tests/support/launch.py, with an outer timeout), CPU processes on gloo.
 
 The exchanges themselves are compared with the dense references in
 mpi_tests/test_torch_dist.py and mpi_tests/test_recipes.py; here: the DDP example runs and
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launch import torchrun  # noqa: E402
+from tests.support.launch import torchrun  # noqa: E402
 
 pytest.importorskip("torch")
 

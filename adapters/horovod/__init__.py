@@ -47,7 +47,7 @@ hooks and steps) lives in :mod:`slamb_comm.adapters.torch`; this module holds on
 Horovod's. Only Horovod's public API is used (``allreduce_async_``, ``allgather``,
 ``alltoall``, ``broadcast_``, ``synchronize``, ``Average``/``Sum``, ``Compression``);
 Horovod's optimizer is neither copied nor patched. Like Horovod, the distributed optimizer
-is a class built at run time with ``type(name, (optimizer.__class__,), ...)``, so
+is a class built at run time from the user's class: ``type(name, (mixin, optimizer.__class__), ...)``, so
 ``isinstance(opt, torch.optim.Adam)`` still holds.
 
 Data types: Horovod's collectives carry no bfloat16 and no bool. bfloat16 (and float16)
@@ -82,13 +82,15 @@ mutex), and the job hangs until an outer timeout; seen here in 1 of 12 to 2 of 1
 2-rank job whose rank 1 raises, and in none of 30 with this hook. ``False`` leaves
 ``sys.excepthook`` alone.
 
-Modules: :mod:`.transport` (the core's transport and the optimizers' collectives on Horovod),
-:mod:`.optimizer` (``DistributedOptimizer``, ``averaged_state_dict``), :mod:`.elastic` (Elastic
-Horovod's resets).
+Modules, as ``horovod/torch`` lays out its own: :mod:`.transport` (the core's transport on Horovod),
+:mod:`.collectives` (the distributed optimizers' collectives on Horovod), :mod:`.compression`
+(bfloat16 under Horovod's own compressions), :mod:`.optimizer` (``DistributedOptimizer``,
+``averaged_state_dict``), :mod:`.elastic` (Elastic Horovod's resets).
 """
 
 from slamb_comm.wire.codecs import TopK
-from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB, SAdamW
+
+from ..torch import LAMB, SLAMB, OneBitLAMB, SAdamW
 
 from .optimizer import DistributedOptimizer, averaged_state_dict
 from .transport import HorovodTransport

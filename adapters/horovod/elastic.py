@@ -19,7 +19,7 @@ import torch
 
 import horovod.torch as hvd
 
-from .transport import HorovodCollectives
+from .collectives import HorovodCollectives
 
 __all__ = ["Elastic", "ELASTIC_METHODS", "make_elastic", "merge", "sync"]
 

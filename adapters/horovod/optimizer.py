@@ -10,13 +10,16 @@ import torch
 import horovod.torch as hvd
 
 from slamb_comm.wire.codecs import TopK
-from slamb_comm.adapters.torch import LAMB, SLAMB, OneBitLAMB
-from slamb_comm.adapters.torch.averaging import ReplicaGroup, mean_of_replicas
-from slamb_comm.adapters.torch.distributed import wrap
-from slamb_comm.adapters.torch.params import check_named_parameters
 
+from ..privates import exit_now
+from ..torch import LAMB, SLAMB, OneBitLAMB
+from ..torch.averaging import ReplicaGroup, mean_of_replicas
+from ..torch.distributed.optimizer import wrap
+from ..torch.params import check_named_parameters
+
+from .collectives import AloneUntilSynced, HorovodCollectives
+from .compression import Bf16Safe
 from .elastic import ELASTIC_METHODS, make_elastic
-from .transport import AloneUntilSynced, Bf16Safe, HorovodCollectives
 
 __all__ = ["DistributedOptimizer", "averaged_state_dict"]
 
@@ -171,7 +174,7 @@ def _end_job_on_uncaught_exception():
                              "now (os._exit(1)) so that the launcher ends the job\n")
             sys.stderr.flush()
             sys.stdout.flush()
-            os._exit(1)
+            exit_now(1)
 
     sys.excepthook = hook
     _EXIT_HOOK.append(hook)

@@ -1,7 +1,8 @@
-"""Horovod's collectives for slamb_comm: the core's transport protocol (:class:`HorovodTransport`)
-and the distributed optimizers' collectives interface (:class:`HorovodCollectives`)."""
+"""The core's transport on Horovod's collectives: :class:`HorovodTransport`.
 
-import contextlib
+The distributed optimizers' own interface, named asynchronous collectives on tensors, is
+:mod:`.collectives`."""
+
 import itertools
 
 import torch
@@ -9,9 +10,10 @@ import torch
 import horovod.torch as hvd
 
 from slamb_comm.exchange.transports import check_alltoall, check_buffer
-from slamb_comm.adapters.torch.tensors import torch_view
 
-__all__ = ["HorovodTransport", "HorovodCollectives", "AloneUntilSynced", "Bf16Safe"]
+from ..torch.tensors import torch_view
+
+__all__ = ["HorovodTransport"]
 
 
 class HorovodTransport:
@@ -135,81 +137,3 @@ class HorovodTransport:
     def barrier(self):
         """Wait until every rank of the process set has arrived."""
         hvd.barrier(process_set=self.process_set)
-
-
-class HorovodCollectives:
-    """The collectives the distributed optimizers of :mod:`slamb_comm.adapters.torch` use, on
-    Horovod's (see :class:`slamb_comm.adapters.torch.collectives.TorchCollectives` for the interface)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, process_set):
-        self.process_set = process_set
-        self.member = bool(process_set.included())
-        self.size = int(process_set.size()) if self.member else 1
-        self.rank = int(process_set.rank()) if self.member else 0
-
-    @staticmethod
-    def batch():
-        """Nothing to do: Horovod's own tensor fusion batches the allreduces in flight."""
-        return contextlib.nullcontext()
-
-    def allreduce_async(self, t, name, average=False, prescale=1.0, postscale=1.0):
-        return hvd.allreduce_async_(t, name=name, op=hvd.Average if average else hvd.Sum, prescale_factor=prescale,
-                                    postscale_factor=postscale, process_set=self.process_set)
-
-    def wait(self, handle):
-        return hvd.synchronize(handle)
-
-    def allreduce(self, t, name):
-        hvd.allreduce_(t, op=hvd.Sum, name=name, process_set=self.process_set)
-
-    def allgather(self, t, name):
-        return hvd.allgather(t, name=name, process_set=self.process_set)
-
-    def transport(self, prefix=None):
-        """A HorovodTransport for members (its collectives named by ``prefix`` if given); None
-        elsewhere (which still takes a transport number, so that every rank numbers its later
-        transports alike)."""
-        if self.member:
-            return HorovodTransport(self.process_set, prefix)
-        HorovodTransport.next_prefix()
-        return None
-
-    def recognise(self, opt):
-        # hvd.broadcast_optimizer_state recognises Horovod's own distributed optimizers by this
-        # attribute and then creates missing state with the *wrapped* optimizer's step(), locally,
-        # without the collectives a distributed step() would start on only some ranks (which hung).
-        opt.__module__ = hvd.DistributedOptimizer.__module__
-
-
-class Bf16Safe:
-    """Wraps a Horovod compressor so bfloat16 gradients travel as float32 (Horovod has no bf16)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def compress(self, tensor):
-        if tensor.dtype == torch.bfloat16:
-            t, ctx = self.inner.compress(tensor.float())
-            return t, (ctx, torch.bfloat16)
-        t, ctx = self.inner.compress(tensor)
-        return t, (ctx, None)
-
-    def decompress(self, tensor, ctx):
-        inner, dt = ctx
-        out = self.inner.decompress(tensor, inner)
-        return out.to(dt) if dt is not None else out
-
-
-# ---------------------------------------------------------------------------- Elastic Horovod
-class AloneUntilSynced(HorovodCollectives):
-    """Collectives of an optimizer built under Elastic Horovod before it joined the world: this
-    rank alone (no transport, so building it is not collective). Nothing is exchanged through
-    them: every hook, ``synchronize()`` and ``step()`` joins the world first."""
-
-    def __init__(self, process_set):  # not super().__init__: it would read the world's size
-        self.process_set, self.member, self.size, self.rank = process_set, True, 1, 0
-
-    def transport(self, prefix=None):
-        return None

@@ -1,41 +1,30 @@
 """PyTorch adapter: SLAMB, 1-bit LAMB and sparse top-k exchange for torch, on torch.distributed (torchrun, DDP).
 
 Everything torch-level lives in this package, once, whatever launches the job. This file only
-re-exports; each concern has its own module:
+re-exports; each concern has its own folder or module:
 
 =========================  ===================================================================
-module                     what it holds
+folder or module           what it holds
 =========================  ===================================================================
-``slamb``                  :class:`SLAMB`, the torch optimizer (alone: P = 1; ratio 1: LAMB)
-``options``                SLAMB's options: a group's checks, the records its buckets are keyed by
-``onebit_lamb``            :class:`OneBitLAMB`, 1-bit LAMB as a torch optimizer
-``distributed``            :func:`DistributedOptimizer` (torchrun without DDP) and ``wrap``,
-                           which builds a distributed optimizer on any collectives
-``distributed_slamb``      the distributed SLAMB's hooks, exchange and step
-``distributed_onebit``     the distributed 1-bit LAMB's agreement and step
-``distributed_topk``       top-k gradient exchange with error feedback under any optimizer
-``hook_exchange``          the distributed SLAMB's exchange tensor by tensor, from the hooks
-``flat_exchange``          its exchange of flat buckets on a device, from DDP's bucket hooks
-``flat``                   a bucket's parameters as one flat buffer, gradients read in place
-``contract``               Horovod's optimizer contract, shared by the three above
-``ddp_hooks``              :func:`slamb_hook` / :class:`SlambHookState`, :func:`topk_hook` /
-                           :class:`TopKHookState` (DDP communication hooks)
-``collectives``            :class:`TorchTransport` (the core's transport on torch.distributed)
-                           and the distributed optimizers' collectives
+``optim/``                 the torch optimizers: :class:`SLAMB`, :class:`SAdamW`, :class:`LAMB`,
+                           :class:`OneBitLAMB` on their buckets of parameters, and :class:`DeMo`
+``distributed/``           :func:`DistributedOptimizer` (torchrun without DDP) and the distributed
+                           optimizers on any framework's collectives (Horovod's contract, the
+                           distributed SLAMB, 1-bit LAMB and top-k, the misuses under DDP)
+``ddp/``                   the DDP communication hooks with their states: :func:`slamb_hook` /
+                           :class:`SlambHookState`, :func:`topk_hook` / :class:`TopKHookState`
+``fsdp/``                  models sharded by FSDP2 (HSDP's ``(replicate, shard)`` mesh):
+                           :class:`HybridSLAMB`, :class:`HybridSAdamW`, :class:`HybridTopK`
+``periodic/``              wrappers that own any torch optimizer and average periodically:
+                           :class:`DiLoCo`, :class:`DesLoc`, the SparseLoCo family (``mesh=`` too)
+``transport``              :class:`TorchTransport` (the core's transport on torch.distributed) and
+                           :func:`init_process_group`
 ``tensors``                torch tensors as the core's arrays: dtypes, views, CUDA streams
-``params``                 parameter naming, change checks, state mapping, buckets
-``rank_files``             per-rank state files beside a framework's checkpoint, resized
-                           for another number of ranks (Lightning, the Trainer, Accelerate)
+``params``                 parameter naming, change checks, saved-state mapping, the closure
 ``averaging``              :func:`averaged_state_dict` (the mean of the replicas, for saving)
                            and :func:`traffic_metrics` (a step's bytes as logger metrics)
-``periodic``               :class:`DiLoCo`, :class:`DesLoc` and their base ``OuterLoop``
-                           (periodic averaging around any torch optimizer)
-``sparseloco``             :class:`SparseLoCo`, :class:`SharedMaskSparseLoCo`, :class:`SharedTopKSparseLoCo`
-``demo``                   :class:`DeMo`, the DCT top-k momentum optimizer
-``fsdp``                   :class:`HybridSLAMB`, :class:`HybridSAdamW`: SLAMB and SAdamW across
-                           the replicas of an FSDP2-sharded model (HSDP's ``(replicate, shard)`` mesh)
-``hybrid_topk``            :class:`HybridTopK`: top-k with error feedback across those replicas,
-                           around any torch optimizer (``DiLoCo``/``DesLoc`` take ``mesh=`` too)
+``rank_files``             per-rank state files beside a framework's checkpoint, resized
+                           for another number of ranks (Lightning, the Trainer, Accelerate)
 =========================  ===================================================================
 
 * :class:`SLAMB` -- a ``torch.optim.Optimizer``. Alone, in one process, it is the SLAMB rule
@@ -70,16 +59,17 @@ the exchange is float32 or float16 per ``value_dtype``.
 from slamb_comm.wire.codecs import TopK
 
 from .averaging import averaged_state_dict, traffic_metrics
-from .collectives import TorchTransport, init_process_group
-from .demo import DeMo
-from .ddp_hooks import SlambHookState, TopKHookState, slamb_hook, topk_hook
-from .distributed import DistributedOptimizer
-from .fsdp import HybridSAdamW, HybridSLAMB
-from .hybrid_topk import HybridTopK
-from .onebit_lamb import OneBitLAMB
-from .periodic import DesLoc, DiLoCo
-from .slamb import LAMB, SLAMB, SAdamW
-from .sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+from .ddp.slamb_hook import SlambHookState, slamb_hook
+from .ddp.topk_hook import TopKHookState, topk_hook
+from .distributed.optimizer import DistributedOptimizer
+from .fsdp.hybrid_slamb import HybridSAdamW, HybridSLAMB
+from .fsdp.hybrid_topk import HybridTopK
+from .optim.demo import DeMo
+from .optim.onebit_lamb import OneBitLAMB
+from .optim.slamb import LAMB, SLAMB, SAdamW
+from .periodic.diloco import DesLoc, DiLoCo
+from .periodic.sparseloco import SharedMaskSparseLoCo, SharedTopKSparseLoCo, SparseLoCo
+from .transport import TorchTransport, init_process_group
 
 __all__ = ["SLAMB", "SAdamW", "LAMB", "OneBitLAMB", "TopK", "TorchTransport", "DistributedOptimizer", "SlambHookState",
            "slamb_hook", "TopKHookState", "topk_hook", "init_process_group", "DeMo", "DiLoCo", "DesLoc",

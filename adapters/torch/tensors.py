@@ -15,7 +15,7 @@ import torch
 from slamb_comm import arrays as _arr
 
 __all__ = ["torch_view", "tensor_of", "state_dtype", "np_dtype", "torch_dtype", "as_compute", "cuda_scope",
-           "local_of", "is_dtensor", "Params", "Grads"]
+           "local_of", "is_dtensor", "grad_array", "Params", "Grads"]
 
 
 def is_dtensor(t):
@@ -84,6 +84,13 @@ def cuda_scope(device):
 def tensor_of(a):
     """A torch view of a NumPy/CuPy array."""
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+def grad_array(p, dtype):
+    """``p``'s gradient as an array of ``dtype`` (zeros where ``p`` has none): a view where it is one."""
+    if p.grad is None:
+        return _arr.as_array(torch.zeros(p.shape, dtype=dtype, device=p.device))
+    return _arr.as_array(as_compute(p.grad, dtype))
 
 
 class Params:

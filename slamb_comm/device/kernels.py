@@ -1,25 +1,16 @@
-"""The device kernels of SLAMB's fused step: one CUDA C source that also compiles for the host.
+"""The device kernels of SLAMB's step: one CUDA C source that also compiles for the host.
 
-A GPU optimizer step is bound by device-memory traffic, so :mod:`slamb_comm.device.slamb_step` runs SLAMB's
-step (docs/algorithm.md section 1) as four kernels over a table of tiles, in the manner of
-apex's FusedLAMB and torch's ``multi_tensor_apply``:
-
-* ``slamb_pack``: reads the gradient once (its finiteness goes into the status word) and writes
-  this rank's new momentum ``b1 m + (1 - b1) g`` on M_t into the payload, for the tiles of one
-  group of tensors (all of them, or one DDP bucket);
-* ``slamb_moments``: commits m and v, puts M_t's means into m, forms the direction w and each
-  tile's four squared norms (x and w, all and on M_t) as float64 partial sums, without storing w;
-* ``slamb_trust``: per tensor, the sum of its tiles' partials (in tile order: deterministic),
-  the two trust ratios and the two rates (for sharded tensors, with ``sums_only``, the sums alone:
-  summed over the pieces, they are the partials of a second launch with one "tile" per tensor);
-* ``slamb_update``: recomputes w, derives each element's freshness from the cyclic mask's
-  formula and updates x; flags a non-finite result for the periodic sync.
-
-Nothing of the model's size besides m and v: the mask's positions, the payload index of a
-selected element and its freshness are computed in the kernels from the mask's hash (section 1,
-step 2) and small per-tensor tables. Parameters and gradients are read through tables of device
-addresses, one per tensor, so a fused buffer, a list of arrays and a framework's own gradient
-tensors are read where they are.
+:mod:`slamb_comm.device.slamb_step` runs SLAMB's step (docs/algorithm.md section 1) as these kernels
+over a table of tiles, in the manner of apex's FusedLAMB and torch's ``multi_tensor_apply``:
+``slamb_pack`` (the gradient read once, its finiteness into the status word, this rank's new momentum
+on M_t into the payload, per group of tensors); ``slamb_verdict`` (the summed payload's finiteness, on
+the device); ``slamb_moments`` (m and v committed, M_t's means put into m, w formed, each tile's four
+squared norms); ``slamb_trust`` (per tensor the norms in tile order, the trust ratios, the rates;
+with ``sums_only`` a sharded piece's sums); ``slamb_update`` (w again, each element's freshness from
+the cyclic mask's formula, x updated; ``slamb_update_levels`` in the first cycle after a ratio change).
+A skipped step's kernels change nothing. Per tile, a group of C units is hashed once; nothing of the
+model's size besides m and v is kept, and parameters and gradients are read through tables of device
+addresses, so a fused buffer, a list of arrays and a framework's own tensors are read where they are.
 
 **One source, two compilers.** The kernels are written in a small dialect (the ``SLAMB_*``
 macros of :data:`PRELUDE`): on a GPU NVRTC compiles them (``cupy.RawModule``); without one, the
@@ -111,17 +102,13 @@ typedef long long i64;
 #define SLAMB_WORDS 4
 /* the most groups of C >= 2 units that one tile's units touch */
 #define SLAMB_MAXG (SLAMB_TILE / 2 + 2)
-/* elements of a tile a thread of the update loads before it computes (memory-level parallelism within the
-   register budget; the moments' four loads per element are enough there) */
+/* elements a thread of the update loads before it computes (the moments' four loads suffice there) */
 #define SLAMB_U 2
 
-/* ---- payload values: float16 travels as its bits (unsigned short) ---- */
+/* ---- payload values: float16 travels as its bits (unsigned short); finiteness of each ---- */
 SLAMB_DEV void slamb_put(unsigned short* a, i64 i, float x) { a[i] = slamb_f2h(x); }
 SLAMB_DEV void slamb_put(unsigned short* a, i64 i, double x) { a[i] = slamb_d2h(x); }
-SLAMB_DEV void slamb_put(float* a, i64 i, float x) { a[i] = x; }
-SLAMB_DEV void slamb_put(float* a, i64 i, double x) { a[i] = (float)x; }
-SLAMB_DEV void slamb_put(double* a, i64 i, float x) { a[i] = (double)x; }
-SLAMB_DEV void slamb_put(double* a, i64 i, double x) { a[i] = x; }
+template <typename A, typename X> SLAMB_DEV void slamb_put(A* a, i64 i, X x) { a[i] = (A)x; }
 SLAMB_DEV float slamb_get(const unsigned short* a, i64 i) { return slamb_h2f(a[i]); }
 SLAMB_DEV float slamb_get(const float* a, i64 i) { return a[i]; }
 SLAMB_DEV double slamb_get(const double* a, i64 i) { return a[i]; }
@@ -151,10 +138,7 @@ SLAMB_DEV unsigned slamb_rot(u64 g, u64 key, unsigned C) {
 
 /* The groups of C units that n consecutive units from unit q0 touch: the first g0, the offset w0 of
    unit q0 in it, and their number ng. Once per tile: everything per element below is 32-bit. */
-struct SlambSpan {
-  u64 g0;
-  unsigned w0, ng;
-};
+struct SlambSpan { u64 g0; unsigned w0, ng; };
 SLAMB_DEV SlambSpan slamb_span(u64 q0, unsigned C, unsigned n) {
   SlambSpan s;
   s.g0 = (q0 >> 32) == 0 ? (u64)((unsigned)q0 / C) : q0 / C;

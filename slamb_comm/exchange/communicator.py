@@ -26,29 +26,28 @@ payload and, on a GPU, one host read per exchange.
 
 import math
 import secrets
-import time
 
 import numpy as np
 
 from .. import arrays as _arr
-from ..wire.codecs import DATA_DTYPES, LazyTensors, Layout, TopKWire, check_ratio, k_elems
-from ..wire.masks import BLOCK, check_block, make_mask
+from ..wire.codecs import TopKWire, check_ratio
+from ..wire.layout import Layout
+from ..wire.masks import check_block, make_mask
 from .onebit import OneBitExchange
 from ..errors import (
-    collective_error,
     ConfigError,
-    DTypeError,
-    LayoutError,
     LayoutMismatchError,
-    NonContiguousError,
     STATUS_BAD_INPUT,
-    STATUS_NON_FINITE,
     STATUS_OK,
     PeerError,
     SlambCommError,
 )
-from ..wire.stats import Stats, Traffic, allreduce_wire
-from .sync import ParameterSync
+from ..device import tables as _dev
+from ..wire.layout import take
+from ..wire.stats import Stats
+from .masked import MaskedAllreduce
+from .status import StatusWords
+from .sync import DenseSync
 from .topk import TopKExchange
 from .transports import LocalTransport
 
@@ -56,27 +55,7 @@ __all__ = ["Communicator"]
 
 
 
-def _take(xp, sel, views, out):
-    """``sel.take(views, out=out)``; on the CPU, into a payload of another dtype (float16),
-    range by range through the arrays' own dtype and :func:`~slamb_comm.arrays.cast_into`
-    instead of NumPy's element-wise float16 cast."""
-    if xp is not np or not views or out.dtype == views[0].dtype:
-        return sel.take(views, out=out)
-    tmp = None
-    for p, v, s, c in zip(sel.picks, views, sel.starts, sel.counts):
-        if not c:
-            continue
-        v = v.reshape(-1)
-        for r in p.ranges(BLOCK):
-            a, b = p.span(r)
-            if b > a:
-                if tmp is None or tmp.size < b - a:
-                    tmp = np.empty(b - a, v.dtype)
-                _arr.cast_into(out[s + a : s + b], p.take(v, r, tmp[: b - a]))
-    return out
-
-
-class Communicator(ParameterSync, TopKExchange):
+class Communicator:
     """Sparse and dense exchanges of one fixed set of arrays among all ranks of a transport.
 
     Args:
@@ -84,7 +63,7 @@ class Communicator(ParameterSync, TopKExchange):
             :class:`~slamb_comm.exchange.transports.NCCLTransport`, a Horovod transport, or
             ``None`` for a single process (:class:`~slamb_comm.exchange.transports.LocalTransport`).
         arrays: the arrays to exchange (only shapes and the dtype are used here), or a
-            :class:`~slamb_comm.wire.codecs.Layout`.
+            :class:`~slamb_comm.wire.layout.Layout`.
         names: optional tensor names for error messages.
         ratio: the fraction k in (0, 1] that sparse exchanges send (mask size, top-k count).
         mask: 'cyclic' (default, bounded staleness), 'bernoulli', or 'topk' (union of the
@@ -115,27 +94,11 @@ class Communicator(ParameterSync, TopKExchange):
         PeerError: another rank raised one of the above.
     """
 
-    def __init__(
-        self,
-        transport,
-        arrays,
-        *,
-        names=None,
-        ratio=0.1,
-        mask="cyclic",
-        value_dtype=None,
-        seed=None,
-        dense_threshold=None,
-        block=1,
-        bucket_bytes=32 << 20,
-        topk_dense=False,
-    ):
+    def __init__(self, transport, arrays, *, names=None, ratio=0.1, mask="cyclic", value_dtype=None, seed=None,
+                 dense_threshold=None, block=1, bucket_bytes=32 << 20, topk_dense=False):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
-        self.residual = None  # error-feedback buffer of sparse_allgather, allocated on first use
-        self._device = {}  # the layout's tiles and tables of addresses on a device (sync of a list)
-        self._residual_on_host = False  # restored by load_state_dict, not yet moved to a device
-        self._uncommitted = None  # a sparse_allgather(commit=False) waiting for commit_residual()
+        self._device = {}  # the layout's tiles and tables of addresses on a device (device_tables)
         self.bucket_bytes = int(bucket_bytes)
         problem = None
         digest = bytes(16)
@@ -169,6 +132,17 @@ class Communicator(ParameterSync, TopKExchange):
         self.seed = int(seed_buf[0])
         self.mask = make_mask(self.mask_kind, self.layout, self.ratio, self.seed, self.block)
         self.wire = TopKWire(self.layout, self.ratio, self.value_dtype, whole_dense=self.topk_dense)
+        # the exchanges, each a part with its own state, on this communicator's public names
+        self._status = StatusWords(self.layout, self.transport)
+        self._masked, self._dense, self._topk = MaskedAllreduce(self), DenseSync(self), TopKExchange(self)
+        self._onebit = None  # made at first use (it needs a transport with alltoall)
+
+    def device_tables(self, xp):
+        """The layout's tiles and tables of addresses on the current device (built once)."""
+        key = (xp.__name__, xp.cuda.Device().id)
+        if self._device.get("key") != key:
+            self._device = {"key": key, "tiles": _dev.Tiles(self.layout, xp), "tables": _dev.AddressTables(self.layout)}
+        return self._device["tiles"], self._device["tables"]
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -229,7 +203,7 @@ class Communicator(ParameterSync, TopKExchange):
         try:
             if problem is None:
                 new = check_ratio(ratio)
-                if self._uncommitted is not None:
+                if self._topk.uncommitted:
                     raise ConfigError("set_ratio() between sparse_allgather(commit=False) and commit_residual()")
         except ConfigError as e:
             problem = e
@@ -261,231 +235,99 @@ class Communicator(ParameterSync, TopKExchange):
         self.wire = TopKWire(self.layout, new, self.value_dtype, whole_dense=self.topk_dense)
 
     # ------------------------------------------------------------------ inputs
-    def _take(self, x):
-        """Validate ``x`` locally; return ``(xp, views)``, where ``views[i]`` is tensor i as a 1-D
-        array on the caller's memory (no copy).
-
-        ``x`` is a fused 1-D buffer, a list or tuple of arrays shaped like the layout, or any
-        other sequence, which is read lazily, item by item, and trusted to hold arrays of the
-        layout's shapes and dtype (the torch adapters pass their 16-bit parameters that way,
-        converted one tensor at a time). Raises LayoutError/NonContiguousError/DTypeError/
-        TypeError on bad input; the caller turns that into a collective failure.
-        """
-        lay = self.layout
-        if isinstance(x, (list, tuple)):
-            arrs = [_arr.as_array(a) for a in x]
-            if len(arrs) != len(lay):
-                raise LayoutError(f"got {len(arrs)} arrays, the communicator was built for {len(lay)}")
-            xp = _arr.namespace(*arrs) if arrs else np
-            for a, name, shape in zip(arrs, lay.names, lay.shapes):
-                if tuple(a.shape) != shape:
-                    raise LayoutError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
-                if a.dtype.name not in DATA_DTYPES:
-                    raise DTypeError(f"tensor {name!r} has unsupported dtype {a.dtype.name}; expected {lay.dtype.name}")
-                if a.dtype != lay.dtype:
-                    raise LayoutError(f"tensor {name!r} has dtype {a.dtype.name}, expected {lay.dtype.name}")
-                if not a.flags.c_contiguous:
-                    raise NonContiguousError(f"tensor {name!r} is not C-contiguous")
-            views = [a.reshape(-1) for a in arrs]
-        elif hasattr(x, "shape") or hasattr(x, "__dlpack__"):
-            flat = _arr.as_array(x)
-            xp = _arr.namespace(flat)
-            if flat.ndim != 1 or flat.size != lay.total:
-                raise LayoutError(f"expected a fused 1-D buffer of {lay.total} elements, got shape {tuple(flat.shape)}")
-            if flat.dtype.name not in DATA_DTYPES:
-                raise DTypeError(f"fused buffer has unsupported dtype {flat.dtype.name}; expected {lay.dtype.name}")
-            if flat.dtype != lay.dtype:
-                raise LayoutError(f"fused buffer has dtype {flat.dtype.name}, expected {lay.dtype.name}")
-            if not flat.flags.c_contiguous:
-                raise NonContiguousError("fused buffer is not C-contiguous")
-            views = lay.flat_views(flat)
-        else:
-            if len(x) != len(lay):
-                raise LayoutError(f"got {len(x)} arrays, the communicator was built for {len(lay)}")
-            views = LazyTensors(x)
-            xp = _arr.namespace(views[0]) if len(lay) else np
-        if self.residual is not None and _arr.namespace(self.residual) is not xp and not self._residual_on_host:
-            raise TypeError(f"the communicator's state lives in {_arr.namespace(self.residual).__name__}, "
-                            f"got {xp.__name__}")
-        return xp, views
-
-    def _take_or_problem(self, x):
-        """``(xp, views, None)``, or ``(xp, None, error)`` for input this rank must reject (it
-        still takes part in the collective, with zeros and a status flag)."""
+    def take(self, x, state=None):
+        """``(xp, views, None)``: ``x`` checked against the layout and viewed as its tensors
+        (:func:`slamb_comm.wire.layout.take`); or ``(xp, None, error)`` for input this rank must reject
+        (it still takes part in the collective, with zeros and a status flag). ``state``: an array of
+        the exchange's state, whose library the input must match (None: any)."""
         try:
-            return (*self._take(x), None)
+            xp, views = take(self.layout, x)
+            if state is not None and _arr.namespace(state) is not xp:
+                raise TypeError(f"the communicator's state lives in {_arr.namespace(state).__name__}, got {xp.__name__}")
+            return xp, views, None
         except (SlambCommError, TypeError) as e:
-            xp = np if self.residual is None or self._residual_on_host else _arr.namespace(self.residual)
-            return xp, None, e
+            return (np if state is None else _arr.namespace(state)), None, e
 
-    # ------------------------------------------------------------------ failures
-    def _codes(self, code):
-        """Every rank's status code (used only on the failure path)."""
-        mine = np.array([code], dtype=np.int32)
-        everyone = np.zeros(self.size, dtype=np.int32)
-        self.transport.allgather(mine, everyone)
-        return everyone.tolist()
-
+    # ------------------------------------------------------------------ status words (:class:`StatusWords`)
     def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None, present=0,
                        status_in_buffer=False):
-        """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
-        rank that rejected its input (``problem``, an exception) or found non-finite values of
-        its own (``local_bad``: a bool, a 0-d device array, or a callable returning one, so that
-        nothing is read back before sending). Then one host read decides: if any rank flagged, or (``whole``) any
-        summed value is not finite, every rank raises and the caller must change nothing.
-
-        ``spans``, ``(starts, counts)`` of each tensor's slice of the payload, names the tensors
-        whose sums are not finite; ``sent()``, called on the failure path only, recomputes what
-        this rank sent, to tell whether it was this rank's values that were not finite; and
-        ``mine()``, also on the failure path only, flags per tensor where this rank's values
-        were not finite (the ranks then agree on the union). Every exchange that sums goes
-        through here.
-
-        ``status_in_buffer``: the caller (a device kernel) already wrote the status word(s) into
-        ``buf``; ``local_bad`` is then read only on the failure path.
-
-        ``present``: what a rank that is fine puts in the status word (default 0). With
-        ``whole=False`` the summed status word is returned (its one host read), so a caller
-        that puts a nonzero ``present`` learns how many ranks took part: under Horovod's
-        ``join()`` the ranks that joined contribute zeros.
-        """
-        xp = _arr.namespace(buf)
-        if problem is not None:
-            buf[-1] = np.nan
-        elif status_in_buffer:
-            pass
-        elif isinstance(local_bad, (bool, np.bool_)):
-            buf[-1] = np.nan if local_bad else present
-        else:
-            buf[-1:] = xp.where(local_bad, np.nan, present).astype(buf.dtype)
-        self.transport.allreduce(buf)
-        if whole:
-            word = None
-            ok = bool(xp.isfinite(xp.sum(buf, dtype=np.float64)))  # NaN and Inf survive a sum
-        else:
-            word = float(_arr.to_host(buf[-1:])[0])
-            ok = np.isfinite(word)
-        if ok:
-            return word
-        raise self.failure(buf, problem, local_bad, what, spans, sent, mine)
+        """Sum ``buf`` over ranks in place, its last slot the status word, and decide with one host read
+        (:meth:`StatusWords.reduce_checked <slamb_comm.exchange.status.StatusWords.reduce_checked>`:
+        every exchange that sums goes through here)."""
+        return self._status.reduce_checked(buf, problem, local_bad, what, spans, whole, sent, mine, present,
+                                           status_in_buffer)
 
     def failure(self, buf, problem, local_bad, what, spans=None, sent=None, mine=None):
-        """The error every rank raises after a summed exchange that failed (:meth:`reduce_checked`'s
-        failure path, or a caller that decided on the device and reads the verdict later): who flagged
-        (one small allgather, so every rank calls it for the same exchange) and where the sums in ``buf``
-        are not finite. Host reads are fine here. ``local_bad``: a bool, a 0-d device array, or a callable
-        returning one."""
-        xp = _arr.namespace(buf)
-        if problem is not None:
-            code = STATUS_BAD_INPUT
-        elif bool(local_bad() if callable(local_bad) else local_bad) or (
-                sent is not None and not bool(xp.isfinite(sent()).all())):
-            code = STATUS_NON_FINITE
-        else:
-            code = STATUS_OK
-        codes = self._codes(code)
-        tensors = ()
-        if mine is not None:
-            flags = np.zeros(len(self.layout), np.int32) if problem is not None else np.asarray(mine(), np.int32)
-            self.transport.allreduce(flags)
-            tensors = tuple(n for n, f in zip(self.layout.names, flags) if f)
-        elif spans is not None:
-            bad = _arr.to_host(~xp.isfinite(buf[:-1]))
-            tensors = tuple(self.layout.names[i] for i, (s, c) in enumerate(zip(*spans))
-                            if c and bad[s : s + c].any())
-        return collective_error(codes, problem, what, tensors)
+        """The error every rank raises after a summed exchange that failed (:meth:`StatusWords.failure
+        <slamb_comm.exchange.status.StatusWords.failure>`; collective)."""
+        return self._status.failure(buf, problem, local_bad, what, spans, sent, mine)
 
     # ------------------------------------------------------------------ operations
     def select(self, step, xp=np, views=None):
         """M_t of ``step`` as a :class:`~slamb_comm.wire.masks.Selection` (for the topk mask a
         collective over ``views``, this rank's data: every rank must call it)."""
-        if self.mask_kind == "topk":
-            if views is None:  # a rank that rejected its input still takes part, with dummy picks
-                local = {i: xp.arange(k_elems(self.ratio, self.layout.sizes[i]), dtype=np.int64)
-                         for i in self.layout.compressible}
-                return self.mask.union(xp, local, self.transport)
-            return self.mask.select(step, xp, views, self.transport)
-        return self.mask.select(step, xp)
+        return self._masked.select(step, xp, views)
 
     def masked_allreduce(self, x, step):
-        """In place: ``x[M_t] = mean over ranks of x[M_t]`` for the shared mask of ``step``.
-
-        One allreduce of the |M_t| masked values (plus a status slot) and one host read.
-
-        Args:
-            x: the fused buffer (or list of arrays) holding this rank's values.
-            step: the 1-based step t that selects M_t (the same on every rank).
-
-        Returns:
-            ``x``, and the positions M_t in the fused buffer (an int array, in payload order).
-        """
-        x, sel = self._masked_allreduce(x, step)
-        return x, sel.index
+        """In place: ``x[M_t] = mean over ranks of x[M_t]`` for the shared mask of ``step``
+        (:class:`~slamb_comm.exchange.masked.MaskedAllreduce`). Returns ``x`` and the positions M_t in the
+        fused buffer (an int array, in payload order)."""
+        return self._masked.masked_allreduce(x, step)
 
     def masked_traffic(self, payload_bytes, elements_sent, encode_s=0.0, comm_s=0.0, decode_s=0.0):
-        """The :class:`~slamb_comm.wire.stats.Traffic` of one masked allreduce of ``payload_bytes`` (its
-        status words included) carrying ``elements_sent`` values, against a dense allreduce of the
-        layout (docs/algorithm.md section 4): every masked exchange's record, whoever runs it (this
-        communicator, SLAMB's steps, an adapter's own collectives)."""
-        return Traffic.one_call(
-            payload_bytes=payload_bytes, wire_bytes=allreduce_wire(payload_bytes, self.size),
-            dense_bytes=self.layout.total * self.layout.dtype.itemsize, size=self.size, elements_sent=elements_sent,
-            elements_total=self.layout.total, encode_s=encode_s, comm_s=comm_s, decode_s=decode_s)
+        """The :class:`~slamb_comm.wire.stats.Traffic` of one masked allreduce (see
+        :meth:`MaskedAllreduce.traffic <slamb_comm.exchange.masked.MaskedAllreduce.traffic>`)."""
+        return self._masked.traffic(payload_bytes, elements_sent, encode_s, comm_s, decode_s)
 
     def record_masked_allreduce(self, payload_bytes, elements_sent, encode_s=0.0, comm_s=0.0, decode_s=0.0):
         """Count one masked allreduce in :attr:`stats` (see :meth:`masked_traffic`)."""
-        self.stats.record("masked_allreduce", self.masked_traffic(payload_bytes, elements_sent, encode_s, comm_s,
-                                                                  decode_s))
+        self._masked.record(payload_bytes, elements_sent, encode_s, comm_s, decode_s)
 
-    def _masked_allreduce(self, x, step):
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
-            raise ConfigError(f"step must be an integer >= 1, got {step!r}")
-        t0 = time.perf_counter()
-        xp, views, problem = self._take_or_problem(x)
-        with _arr.device_scope(views[0] if views else np.zeros(0)):
-            sel = self.select(step, xp, views)
-            m = sel.size
-            buf = xp.empty(m + 1, dtype=self.value_dtype)
-            if views is None:
-                buf[:m] = 0
-            else:
-                _take(xp, sel, views, buf[:m])
-            t1 = time.perf_counter()
-            payload = (m + 1) * self.value_dtype.itemsize
-            with self.stats.failed("masked_allreduce", lambda: self.masked_traffic(
-                    payload, m, t1 - t0, time.perf_counter() - t1)):
-                self.reduce_checked(buf, problem, False, f"masked_allreduce at step {step}",
-                                    (sel.starts, sel.counts),
-                                    sent=lambda: _take(xp, sel, views, xp.empty(m, self.value_dtype)))
-            t2 = time.perf_counter()
-            # Divide in the wider of the two dtypes: a float16 buffer's sum may exceed 65504, its mean not.
-            wide = np.promote_types(self.value_dtype, self.layout.dtype)
-            for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
-                if c:
-                    vals = _arr.cast(buf[s : s + c], wide, copy=False)
-                    if self.size > 1:
-                        vals *= vals.dtype.type(1.0 / self.size)
-                    p.put(views[i], None, vals)
-        self.record_masked_allreduce(payload, m, t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return x, sel
+    def sync(self, x, written=None, bad=None):
+        """In place: ``x = mean over ranks of x`` (:meth:`DenseSync.sync
+        <slamb_comm.exchange.sync.DenseSync.sync>`: the periodic parameter sync, the dense baseline)."""
+        return self._dense.sync(x, written, bad)
+
+    def sparse_allgather(self, x, commit=True):
+        """Top-k exchange with error feedback (:meth:`TopKExchange.sparse_allgather
+        <slamb_comm.exchange.topk.TopKExchange.sparse_allgather>`, docs/algorithm.md section 2)."""
+        return self._topk.sparse_allgather(x, commit)
+
+    def commit_residual(self, skip=()):
+        """Apply the last ``sparse_allgather(commit=False)``'s error feedback (:meth:`TopKExchange.commit_residual
+        <slamb_comm.exchange.topk.TopKExchange.commit_residual>`)."""
+        self._topk.commit_residual(skip)
+
+    @property
+    def residual(self):
+        """The top-k exchange's error buffer (None before the first exchange)."""
+        return self._topk.residual
+
+    @property
+    def onebit(self):
+        """The 1-bit exchange of this communicator, with its error buffers (made at first use, then kept:
+        every user of the communicator's 1-bit exchange shares them)."""
+        if self._onebit is None:
+            self._onebit = OneBitExchange(self)
+        return self._onebit
 
     def onebit_allreduce(self, x):
         """In place: ``x`` (fused buffer or list of arrays) becomes the error-compensated 1-bit
         mean over ranks of 1-bit Adam/LAMB (docs/onebit_lamb.md section 1): signs packed 8 per
         byte and one scale per rank and per chunk, in an all-to-all and an allgather; the worker
         and server error buffers are this communicator's state. See :class:`OneBitExchange`."""
-        return OneBitExchange.of(self).allreduce(x)
+        return self.onebit.allreduce(x)
 
     # ------------------------------------------------------------------ state
     def state_dict(self):
         """This rank's state: the error buffers (host copies) and the mask's seed and kind."""
         out = {
-            "residual": None if self.residual is None else _arr.to_host(self.residual).copy(),
+            "residual": self._topk.state_dict(),
             "seed": self.seed,
             "mask": self.mask.state_dict(),
             "digest": self._digest().hex(),
         }
-        if vars(self).get("_onebit") is not None:
+        if self._onebit is not None:
             out["onebit"] = self._onebit.state_dict()
         return out
 
@@ -502,12 +344,8 @@ class Communicator(ParameterSync, TopKExchange):
             self.seed, self.ratio = int(state["seed"]), ratio
             self.mask = make_mask(self.mask_kind, self.layout, ratio, self.seed, self.block, schedule)
             self.wire = TopKWire(self.layout, ratio, self.value_dtype, whole_dense=self.topk_dense)
-        r = state["residual"]
-        if r is not None and np.shape(r) != (self.layout.total,):
-            raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({self.layout.total},)")
-        self.residual = None if r is None else np.array(_arr.to_host(r), dtype=self.layout.dtype, copy=True)
-        self._residual_on_host = r is not None
+        self._topk.load_state_dict(state["residual"])
         if state.get("onebit") is not None:
-            OneBitExchange.of(self).load_state_dict(state["onebit"])
-        elif vars(self).get("_onebit") is not None:
+            self.onebit.load_state_dict(state["onebit"])
+        elif self._onebit is not None:
             self._onebit = None  # saved before any 1-bit exchange: its error buffers start at zero

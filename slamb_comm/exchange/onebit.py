@@ -11,13 +11,10 @@ one scale per rank and per chunk, in two phases, as DeepSpeed's ``compressed_all
    every server's signs and scale (one allgather); the result, ``σ_k sgn(u_k)`` on chunk k,
    is the same on every rank.
 
-It is built on a :class:`~slamb_comm.Communicator` (its transport, layout, value dtype and
-statistics) and needs a transport with ``alltoall``. :meth:`OneBitExchange.of` gives the one
-exchange of a communicator (made at first use and kept on it), so a communicator method is one
-line, and shares its error buffers with :class:`~slamb_comm.methods.onebit_lamb.OneBitLambRule`::
-
-    def onebit_allreduce(self, x):
-        return OneBitExchange.of(self).allreduce(x)
+It is a part of a :class:`~slamb_comm.Communicator` (which makes it at first use, as
+``comm.onebit``, and uses its public transport, layout, value dtype, input checks and statistics)
+and needs a transport with ``alltoall``; :class:`~slamb_comm.methods.onebit_lamb.OneBitLambRule`
+shares its error buffers through ``comm.onebit``.
 
 Costs: 1/32 of a dense fp32 allreduce's bytes on the links (plus 16 bytes of header per block);
 the worker error (N' elements) and the server error (N'/P) in ``promote(dtype, float32)``. On
@@ -44,7 +41,7 @@ import numpy as np
 from .. import arrays as _arr
 from ..device import tables as _dev
 from ..device import onebit_kernels as _ok
-from ..wire.codecs import LazyTensors
+from ..wire.layout import LazyTensors, fused_input
 from ..errors import (
     collective_error,
     STATUS_BAD_INPUT,
@@ -174,16 +171,7 @@ class OneBitExchange:
         self.server_error = None
         self._on_host = False  # restored by load_state_dict, not yet moved to a device
         self._wire = None  # ((library, device), its DeviceWire)
-
-    @classmethod
-    def of(cls, comm):
-        """The exchange of ``comm``: made at the first call and kept on the communicator (as
-        ``comm._onebit``), so that every user of the communicator's 1-bit exchange shares one
-        pair of error buffers."""
-        ex = vars(comm).get("_onebit")
-        if ex is None:
-            ex = comm._onebit = cls(comm)
-        return ex
+        self._host = HostWire(self)  # the exchange on NumPy arrays
 
     # ------------------------------------------------------------------ state
     def _state_xp(self):
@@ -192,7 +180,7 @@ class OneBitExchange:
             return None
         return _arr.namespace(a)
 
-    def _errors(self, xp):
+    def errors(self, xp):
         """The error buffers on ``xp`` (moved there after a load), or ``(None, None)`` before the
         first exchange."""
         if self._on_host and xp is not np:
@@ -291,7 +279,7 @@ class OneBitExchange:
             like = self.worker_error if self._state_xp() is not None else np.zeros(0)
         with _arr.device_scope(like):
             if xp is np:
-                times = self._host_allreduce(views, flat, problem, t0)
+                times = self._host.allreduce(views, flat, problem, t0)
             else:
                 times = self._device_allreduce(xp, views, flat, problem, t0)
         self.record(times)
@@ -302,7 +290,7 @@ class OneBitExchange:
         one fused buffer), or ``views`` None and the error this rank must raise after taking
         part in the collectives with zeros."""
         comm = self.comm
-        xp, views, problem = comm._take_or_problem(x)
+        xp, views, problem = comm.take(x)
         if isinstance(views, LazyTensors):  # items converted on the fly: writing into them would be lost
             views, problem = None, TypeError("the 1-bit exchange writes its result in place: pass a fused buffer "
                                              "or a list of arrays, not a lazily converted sequence")
@@ -311,9 +299,9 @@ class OneBitExchange:
             views, problem = None, TypeError(f"the 1-bit exchange's state lives in {sxp.__name__}, got {xp.__name__}")
         if views is None:
             xp = sxp or np
-        return xp, views, None if views is None else comm._fused_input(x, views), problem
+        return xp, views, None if views is None else fused_input(comm.layout, x, views), problem
 
-    def _check(self, codes, problem, times):
+    def check(self, codes, problem, times):
         """Raise on every rank alike, given both phases' status words (every rank's, then every
         server's): a rank's bad input or non-finite ``c``, or a server's non-finite scale."""
         P, comm = self.size, self.comm
@@ -330,118 +318,6 @@ class OneBitExchange:
         """Count one exchange (its timings :class:`_Times`, decoding until now) in the statistics."""
         decode_s = time.perf_counter() - times.end
         self.comm.stats.record(self.KIND, self._traffic(times.encode, times.comm, decode_s))
-
-    # ------------------------------------------------------------------ on the host
-    def _host_allreduce(self, views, flat, problem, t0):
-        """The exchange on NumPy arrays: whole-buffer operations (section 1, step by step)."""
-        comm, lay, P, B = self.comm, self.layout, self.size, self.block
-        ew, es = self._errors(np) if views is not None else (None, None)
-        c, s, bits, send = self._host_worker(views, flat, problem, ew)
-        t1 = time.perf_counter()
-        recv = np.empty((P, B), np.uint8)
-        comm.transport.alltoall(send.reshape(-1), recv.reshape(-1))
-        t2 = time.perf_counter()
-        u, sigma, ubits, send2 = self._host_server(recv, es)
-        t3 = time.perf_counter()
-        recv2 = np.empty((P, B), np.uint8)
-        comm.transport.allgather(send2, recv2.reshape(-1))
-        t4 = time.perf_counter()
-        times = _Times(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, t4)
-        words = np.concatenate((recv[:, :4].copy().view(np.int32).reshape(-1),
-                                recv2[:, :4].copy().view(np.int32).reshape(-1)))
-        self._check(words.tolist(), problem, times)
-        y = self._decoded(recv2, self._scales(recv2))
-        if flat is not None:
-            flat[...] = y[: lay.total]  # one copy
-        else:  # one copy per tensor: the arrays are the caller's
-            for v, o, n in zip(views, lay.offsets, lay.sizes):
-                if n:
-                    v[...] = y[o : o + n]
-        acc = self.acc_dtype
-        s_acc, sigma_acc = s.astype(acc), sigma.astype(acc)
-        c -= np.where(bits, s_acc, -s_acc)
-        u -= np.where(ubits, sigma_acc, -sigma_acc)
-        self.worker_error, self.server_error = c, u
-        return times
-
-    def _host_worker(self, views, flat, problem, ew):
-        """Steps 1-2: ``c = pad(x) + e``, its scale and signs, and phase 1's blocks."""
-        lay, P, cb = self.layout, self.size, self.chunk_bytes
-        c = np.zeros(self.padded, self.acc_dtype)
-        if views is not None:
-            self._gather(flat, views, c[: lay.total])
-            if ew is not None:
-                c += ew
-        s, ok = self._scale(c, self.padded)
-        bits = c >= 0
-        status = STATUS_BAD_INPUT if problem is not None else (0 if ok else STATUS_NON_FINITE)
-        send = np.zeros((P, self.block), np.uint8)
-        send[:, : self.HEADER] = self._header(status, s)
-        send[:, self.HEADER : self.HEADER + cb] = pack_signs(bits).reshape(P, cb)
-        return c, s, bits, send
-
-    def _host_server(self, recv, es):
-        """Steps 5-7: the server's average of the P decoded chunks plus its error, its scale and
-        signs, and phase 2's block."""
-        P, nc, cb, acc = self.size, self.chunk, self.chunk_bytes, self.acc_dtype
-        scales = self._scales(recv).reshape(P)
-        scales *= acc.type(1.0 / P)
-        signs = unpack_signs(recv[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(P, nc)
-        u = np.zeros(nc, acc)
-        for j in range(P):
-            sj = signs[j].astype(acc)
-            sj *= 2
-            sj -= 1
-            sj *= scales[j]
-            u += sj
-        if es is not None:
-            u += es
-        sigma, ok = self._scale(u, nc)
-        ubits = u >= 0
-        send2 = np.zeros(self.block, np.uint8)
-        send2[: self.HEADER] = self._header(0 if ok else STATUS_NON_FINITE, sigma)
-        send2[self.HEADER : self.HEADER + cb] = pack_signs(ubits)
-        return u, sigma, ubits, send2
-
-    def _scales(self, blocks):
-        """The scales in the headers of ``blocks`` (P rows), in the accumulation dtype, as a column."""
-        vdt = self.value_dtype
-        return blocks[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(-1, 1).astype(self.acc_dtype)
-
-    def _decoded(self, recv2, sig):
-        """Step 9: ``σ_k sgn(u_k)`` on every chunk k, the padded result."""
-        cb = self.chunk_bytes
-        y = unpack_signs(recv2[:, self.HEADER : self.HEADER + cb].copy().reshape(-1)).reshape(self.size, self.chunk)
-        y = y.astype(self.acc_dtype)
-        y *= 2
-        y -= 1
-        y *= sig
-        return y.reshape(-1)
-
-    def _header(self, status, scale):
-        """The 16-byte block header: int32 ``status`` and the scale as ``value_dtype``."""
-        h = np.zeros(self.HEADER, np.uint8)
-        h[0:4].view(np.int32)[...] = status
-        h[8 : 8 + self.value_dtype.itemsize].view(self.value_dtype)[...] = scale
-        return h
-
-    def _scale(self, a, n):
-        """``||a|| / sqrt(n)`` summed in float64 (NumPy's pairwise sum, which the device's tree
-        passes reproduce bit for bit), as ``value_dtype`` (0-d array), and whether it is finite.
-        A NaN or Inf in ``a`` makes it NaN/Inf."""
-        sq = np.sum(np.square(a, dtype=np.float64))
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported as non-finite instead
-            s = (np.sqrt(sq) / math.sqrt(n)).astype(self.value_dtype)
-        return s, bool(np.isfinite(s))
-
-    def _gather(self, flat, views, out):
-        """``out[...] = x`` (the caller's arrays, fused): one copy for a fused ``x``, else per tensor."""
-        if flat is not None:
-            out[...] = flat
-            return
-        for v, o, n in zip(views, self.layout.offsets, self.layout.sizes):
-            if n:
-                out[o : o + n] = v
 
     # ------------------------------------------------------------------ on a device
     def _device_allreduce(self, xp, views, flat, problem, t0):
@@ -469,7 +345,7 @@ class OneBitExchange:
         if self._wire is None or self._wire[0] != key:
             self._wire = (key, DeviceWire(xp, self))
         w = self._wire[1]
-        ew, es = self._errors(xp) if problem is None else (None, None)
+        ew, es = self.errors(xp) if problem is None else (None, None)
         encode(w, ew)
         t1 = time.perf_counter()
         self.comm.transport.alltoall(w.send, w.recv)
@@ -479,8 +355,12 @@ class OneBitExchange:
         self.comm.transport.allgather(w.send2, w.recv2)
         t4 = time.perf_counter()
         times = _Times(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, t4)
-        self._check(w.codes(xp), problem, times)
+        self.check(w.codes(xp), problem, times)
         return w, times
+
+    def commit_errors(self, worker, server):
+        """The worker and server errors of an exchange that succeeded become this exchange's."""
+        self.worker_error, self.server_error = worker, server
 
     def error_buffers(self, xp):
         """The worker and server errors, which a device commit writes in place (made, not yet
@@ -498,6 +378,131 @@ class OneBitExchange:
         return Traffic.one_call(
             payload_bytes=p1 + p2, wire_bytes=alltoall_wire(p1, P) + allgather_wire(p2, P), dense_bytes=dense, size=P,
             elements_sent=lay.total, elements_total=lay.total, encode_s=encode_s, comm_s=comm_s, decode_s=decode_s)
+
+
+class HostWire:
+    """The exchange of a :class:`OneBitExchange` ``ex`` on NumPy arrays: whole-buffer operations, step by
+    step (docs/onebit_lamb.md section 1), on the exchange's geometry and error buffers."""
+
+    def __init__(self, ex):
+        self.ex = ex
+
+    def allreduce(self, views, flat, problem, t0):
+        """The exchange on NumPy arrays: whole-buffer operations (section 1, step by step)."""
+        ex = self.ex
+        comm, lay, P, B = ex.comm, ex.layout, ex.size, ex.block
+        ew, es = ex.errors(np) if views is not None else (None, None)
+        c, s, bits, send = self._worker(views, flat, problem, ew)
+        t1 = time.perf_counter()
+        recv = np.empty((P, B), np.uint8)
+        comm.transport.alltoall(send.reshape(-1), recv.reshape(-1))
+        t2 = time.perf_counter()
+        u, sigma, ubits, send2 = self._server(recv, es)
+        t3 = time.perf_counter()
+        recv2 = np.empty((P, B), np.uint8)
+        comm.transport.allgather(send2, recv2.reshape(-1))
+        t4 = time.perf_counter()
+        times = _Times(t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, t4)
+        words = np.concatenate((recv[:, :4].copy().view(np.int32).reshape(-1),
+                                recv2[:, :4].copy().view(np.int32).reshape(-1)))
+        ex.check(words.tolist(), problem, times)
+        y = self._decoded(recv2, self._scales(recv2))
+        if flat is not None:
+            flat[...] = y[: lay.total]  # one copy
+        else:  # one copy per tensor: the arrays are the caller's
+            for v, o, n in zip(views, lay.offsets, lay.sizes):
+                if n:
+                    v[...] = y[o : o + n]
+        acc = ex.acc_dtype
+        s_acc, sigma_acc = s.astype(acc), sigma.astype(acc)
+        c -= np.where(bits, s_acc, -s_acc)
+        u -= np.where(ubits, sigma_acc, -sigma_acc)
+        ex.commit_errors(c, u)
+        return times
+
+    def _worker(self, views, flat, problem, ew):
+        """Steps 1-2: ``c = pad(x) + e``, its scale and signs, and phase 1's blocks."""
+        ex = self.ex
+        lay, P, cb = ex.layout, ex.size, ex.chunk_bytes
+        c = np.zeros(ex.padded, ex.acc_dtype)
+        if views is not None:
+            self._gather(flat, views, c[: lay.total])
+            if ew is not None:
+                c += ew
+        s, ok = self._scale(c, ex.padded)
+        bits = c >= 0
+        status = STATUS_BAD_INPUT if problem is not None else (0 if ok else STATUS_NON_FINITE)
+        send = np.zeros((P, ex.block), np.uint8)
+        send[:, : ex.HEADER] = self._header(status, s)
+        send[:, ex.HEADER : ex.HEADER + cb] = pack_signs(bits).reshape(P, cb)
+        return c, s, bits, send
+
+    def _server(self, recv, es):
+        """Steps 5-7: the server's average of the P decoded chunks plus its error, its scale and
+        signs, and phase 2's block."""
+        ex = self.ex
+        P, nc, cb, acc = ex.size, ex.chunk, ex.chunk_bytes, ex.acc_dtype
+        scales = self._scales(recv).reshape(P)
+        scales *= acc.type(1.0 / P)
+        signs = unpack_signs(recv[:, ex.HEADER : ex.HEADER + cb].copy().reshape(-1)).reshape(P, nc)
+        u = np.zeros(nc, acc)
+        for j in range(P):
+            sj = signs[j].astype(acc)
+            sj *= 2
+            sj -= 1
+            sj *= scales[j]
+            u += sj
+        if es is not None:
+            u += es
+        sigma, ok = self._scale(u, nc)
+        ubits = u >= 0
+        send2 = np.zeros(ex.block, np.uint8)
+        send2[: ex.HEADER] = self._header(0 if ok else STATUS_NON_FINITE, sigma)
+        send2[ex.HEADER : ex.HEADER + cb] = pack_signs(ubits)
+        return u, sigma, ubits, send2
+
+    def _scales(self, blocks):
+        """The scales in the headers of ``blocks`` (P rows), in the accumulation dtype, as a column."""
+        vdt = self.ex.value_dtype
+        return blocks[:, 8 : 8 + vdt.itemsize].copy().view(vdt).reshape(-1, 1).astype(self.ex.acc_dtype)
+
+    def _decoded(self, recv2, sig):
+        """Step 9: ``σ_k sgn(u_k)`` on every chunk k, the padded result."""
+        ex = self.ex
+        cb = ex.chunk_bytes
+        y = unpack_signs(recv2[:, ex.HEADER : ex.HEADER + cb].copy().reshape(-1)).reshape(ex.size, ex.chunk)
+        y = y.astype(ex.acc_dtype)
+        y *= 2
+        y -= 1
+        y *= sig
+        return y.reshape(-1)
+
+    def _header(self, status, scale):
+        """The 16-byte block header: int32 ``status`` and the scale as ``value_dtype``."""
+        vdt = self.ex.value_dtype
+        h = np.zeros(self.ex.HEADER, np.uint8)
+        h[0:4].view(np.int32)[...] = status
+        h[8 : 8 + vdt.itemsize].view(vdt)[...] = scale
+        return h
+
+    def _scale(self, a, n):
+        """``||a|| / sqrt(n)`` summed in float64 (NumPy's pairwise sum, which the device's tree
+        passes reproduce bit for bit), as ``value_dtype`` (0-d array), and whether it is finite.
+        A NaN or Inf in ``a`` makes it NaN/Inf."""
+        sq = np.sum(np.square(a, dtype=np.float64))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported as non-finite instead
+            s = (np.sqrt(sq) / math.sqrt(n)).astype(self.ex.value_dtype)
+        return s, bool(np.isfinite(s))
+
+    def _gather(self, flat, views, out):
+        """``out[...] = x`` (the caller's arrays, fused): one copy for a fused ``x``, else per tensor."""
+        if flat is not None:
+            out[...] = flat
+            return
+        lay = self.ex.layout
+        for v, o, n in zip(views, lay.offsets, lay.sizes):
+            if n:
+                out[o : o + n] = v
 
 
 class DeviceWire:

@@ -1,9 +1,8 @@
 """The dense parameter sync of a :class:`~slamb_comm.exchange.communicator.Communicator`
 (docs/algorithm.md section 3): SLAMB's periodic average and the dense baseline.
 
-:class:`ParameterSync` is a base class of ``Communicator`` (as
-:class:`~slamb_comm.exchange.topk.TopKExchange` is): it uses the communicator's layout,
-transport, statistics and input checks.
+:class:`DenseSync` is a part that the ``Communicator`` owns and hands its :meth:`sync` to; it uses
+the communicator's public layout, transport, statistics, input checks and status words.
 """
 
 import time
@@ -12,14 +11,19 @@ import numpy as np
 
 from .. import arrays as _arr
 from ..device import tables as _dev
-from ..wire.codecs import LazyTensors
+from ..wire.layout import LazyTensors, fused_input
 from ..wire.stats import Traffic, allreduce_wire
 
-__all__ = ["ParameterSync"]
+__all__ = ["DenseSync"]
 
 
-class ParameterSync:
-    """``sync``: the in-place dense mean over ranks of a fused buffer or a list of arrays."""
+class DenseSync:
+    """``sync``: the in-place dense mean over ranks of a fused buffer or a list of arrays, for the
+    communicator ``comm`` (its part: see the module docstring)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.layout, self.transport, self.stats, self.size = comm.layout, comm.transport, comm.stats, comm.size
 
     def sync(self, x, written=None, bad=None):
         """In place: ``x = mean over ranks of x``, in ``x``'s own dtype.
@@ -35,12 +39,12 @@ class ParameterSync:
         whatever the number of tensors; on the CPU, or for a lazily read sequence, tensor by tensor).
 
         ``written(i)``, if given, is called once tensor i has been written (for lazily converted
-        inputs; see :meth:`_take`). ``bad``: the caller's word that ``x`` is not finite on this
+        inputs; see :func:`slamb_comm.wire.layout.take`). ``bad``: the caller's word that ``x`` is not finite on this
         rank (a bool, or a 0-d device array whose nonzero value says so, as a kernel's flag word),
         which saves reading all of ``x`` once more (and, for a lazy sequence, converting it all).
         """
         t0 = time.perf_counter()
-        xp, views, problem = self._take_or_problem(x)
+        xp, views, problem = self.comm.take(x)
         lay = self.layout
         with _arr.device_scope(views[0] if views else np.zeros(0)):
             if bad is None:
@@ -48,7 +52,7 @@ class ParameterSync:
             c0 = time.perf_counter()
             fix = self._sync_status(xp.zeros(1, lay.dtype), problem, bad, views, xp)
             comm_s = time.perf_counter() - c0
-            flat = self._fused_input(x, views)
+            flat = fused_input(self.layout, x, views)
             if flat is not None:
                 comm_s += self._sync_in_place(flat, fix)
             else:
@@ -82,13 +86,13 @@ class ParameterSync:
         with self.stats.failed("sync", lambda: Traffic.one_call(
                 payload_bytes=dt.itemsize, wire_bytes=allreduce_wire(dt.itemsize, P), dense_bytes=dense, size=P,
                 elements_sent=0, elements_total=lay.total, comm_s=time.perf_counter() - c0)):
-            word = self.reduce_checked(buf, problem, bad, "sync", whole=False, present=dt.type(1.0 / P),
+            word = self.comm.reduce_checked(buf, problem, bad, "sync", whole=False, present=dt.type(1.0 / P),
                                        mine=lambda: [not bool(xp.isfinite(views[i]).all()) for i in range(len(lay))])
         took_part = round(word * P)
         return dt.type(P / took_part) if 0 < took_part < P else None
 
     def _cap(self):
-        return max(1, min(self.layout.total, self.bucket_bytes // self.layout.dtype.itemsize))
+        return max(1, min(self.layout.total, self.comm.bucket_bytes // self.layout.dtype.itemsize))
 
     def _sync_in_place(self, flat, fix):
         """A fused buffer: ``flat /= P`` and its allreduce in place, in slices of at most
@@ -112,7 +116,7 @@ class ParameterSync:
         scale = dt.type(1.0 / P) if P > 1 else None
         device = xp is not np and not isinstance(views, LazyTensors)
         if device:
-            tiles, tables = self.device_tables(xp)
+            tiles, tables = self.comm.device_tables(xp)
             table = tables.table(xp, "sync", views)
         comm_s = 0.0
         for lo in range(0, lay.total, cap):
@@ -152,10 +156,3 @@ class ParameterSync:
                     written(i)
             else:
                 buf[a - lo : b - lo] = views[i][a - o : b - o]
-
-    def device_tables(self, xp):
-        """The layout's tiles and tables of addresses on the current device (built once)."""
-        key = (xp.__name__, xp.cuda.Device().id)
-        if self._device.get("key") != key:
-            self._device = {"key": key, "tiles": _dev.Tiles(self.layout, xp), "tables": _dev.AddressTables(self.layout)}
-        return self._device["tiles"], self._device["tables"]

@@ -5,8 +5,9 @@ compensated gradient ``c = x + e``, each tensor's largest ``|c|`` on the wire
 (:class:`~slamb_comm.wire.codecs.TopKWire`), the mean of every rank's decoded payload, and the
 residual ``e = c - sent`` committed at once or later (:meth:`TopKExchange.commit_residual`).
 On a device every step is a kernel of :mod:`slamb_comm.device.topk_kernels`; on the CPU, tensor by
-tensor. A mixin of :class:`~slamb_comm.exchange.communicator.Communicator`, whose layout, transport,
-status words and statistics it uses; kept apart so that each module holds one exchange.
+tensor. A part that the :class:`~slamb_comm.exchange.communicator.Communicator` owns, with its own state
+(the error buffer); it uses the communicator's public layout, transport, wire, status words and
+statistics.
 """
 
 import time
@@ -15,8 +16,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import arrays as _arr
-from ..errors import collective_error, STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
-from ..wire.codecs import LazyTensors, topk_indices
+from ..errors import collective_error, LayoutError, STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK
+from ..wire.codecs import topk_indices
+from ..wire.layout import fused_input
 from ..wire.stats import Traffic, allgather_wire
 
 __all__ = ["TopKExchange"]
@@ -33,7 +35,39 @@ class _Pending(NamedTuple):
 
 
 class TopKExchange:
-    """The Communicator's top-k exchange (a mixin: see the module docstring)."""
+    """The top-k exchange of the communicator ``comm`` and its error buffer (see the module docstring)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.layout, self.transport, self.stats, self.size = comm.layout, comm.transport, comm.stats, comm.size
+        self.residual = None  # the error buffer, allocated at the first exchange
+        self._residual_on_host = False  # restored by load_state_dict, not yet moved to a device
+        self._uncommitted = None  # a sparse_allgather(commit=False) waiting for commit_residual()
+
+    @property
+    def wire(self):
+        """The communicator's top-k wire (it follows a change of the ratio)."""
+        return self.comm.wire
+
+    @property
+    def uncommitted(self):
+        """Whether a ``sparse_allgather(commit=False)`` waits for :meth:`commit_residual`."""
+        return self._uncommitted is not None
+
+    def state(self):
+        """The library the input must match (the error buffer's, once on a device), for ``comm.take``."""
+        return None if self.residual is None or self._residual_on_host else self.residual
+
+    def state_dict(self):
+        return None if self.residual is None else _arr.to_host(self.residual).copy()
+
+    def load_state_dict(self, r):
+        """The saved error buffer ``r`` (or None), kept on the host until the next exchange moves it."""
+        lay = self.layout
+        if r is not None and np.shape(r) != (lay.total,):
+            raise LayoutError(f"saved residual has shape {np.shape(r)}, expected ({lay.total},)")
+        self.residual = None if r is None else np.array(_arr.to_host(r), dtype=lay.dtype, copy=True)
+        self._residual_on_host = r is not None
 
     def sparse_allgather(self, x, commit=True):
         """Top-k exchange with error feedback (docs/algorithm.md section 2).
@@ -59,7 +93,7 @@ class TopKExchange:
         """
         self._uncommitted = None
         t0 = time.perf_counter()
-        xp, views, problem = self._take_or_problem(x)
+        xp, views, problem = self.comm.take(x, self.state())
         lay, w = self.layout, self.wire
         with _arr.device_scope(views[0] if views else np.zeros(0)):
             send = w.empty(xp)
@@ -96,7 +130,7 @@ class TopKExchange:
                 ok = bool(np.isfinite(val).all())
             status[...] = STATUS_OK if ok else STATUS_NON_FINITE
             return None
-        flat = self._fused_input(x, views)  # the kernels, every tensor at once; they write the status word
+        flat = fused_input(lay, x, views)  # the kernels, every tensor at once; they write the status word
         arrays = [views[i] for i in range(len(lay))] if flat is None else flat
         return w.device(xp).encode(arrays, self._residual(xp), idx, val, status, True)
 
@@ -161,13 +195,6 @@ class TopKExchange:
             self.residual = self.residual if xp is np else xp.asarray(self.residual)
         self._residual_on_host = False
         return self.residual
-
-    @staticmethod
-    def _fused_input(x, views):
-        """``x`` as one fused 1-D array where it is one (validated: ``views`` are its tensors), else None."""
-        if views is None or isinstance(x, (list, tuple)) or isinstance(views, LazyTensors):
-            return None
-        return _arr.as_array(x)
 
     def _encode_host(self, views, e, idx, val):
         """On the CPU, per tensor: ``c = x + e`` (a tensor-sized temporary), its finiteness, its

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from .. import arrays as _arr
-from ..wire.codecs import Layout
+from ..wire.layout import Layout
 from ..errors import (
     collective_error,
     STATUS_BAD_INPUT,
@@ -68,7 +68,7 @@ class DCTChunks:
     """The DCT chunk codec of a fixed list of tensors (see the module docstring, steps 2-4, 6).
 
     Args:
-        layout: a :class:`~slamb_comm.wire.codecs.Layout` (or a list of arrays: their shapes and dtype).
+        layout: a :class:`~slamb_comm.wire.layout.Layout` (or a list of arrays: their shapes and dtype).
         chunk: s, the chunk side (>= 1).
         topk: k, the coefficients kept per ``s x s`` block, 1 <= k <= s^2 (``min(k, s)`` per 1-D run).
         value_dtype: the payload's values, 'float32' (default), 'float16' or 'float64'.

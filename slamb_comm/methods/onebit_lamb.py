@@ -38,9 +38,8 @@ import numpy as np
 
 from .. import arrays as _arr
 from ..errors import ConfigError, LayoutError, NonFiniteError
-from ..exchange.onebit import OneBitExchange
 from ..device.onebit_step import LambOnDevice
-from .tensorwise import trust_ratio
+from .onebit_host import OneBitHostStep
 
 __all__ = ["OneBitLambRule"]
 
@@ -112,7 +111,7 @@ class OneBitLambRule:
         self.factor_threshold = float(factor_threshold)
         self.bias_correction = bool(bias_correction)
         self.on_nonfinite = on_nonfinite
-        self.exchange = OneBitExchange.of(comm)
+        self.exchange = comm.onebit
         T = len(self.layout)
         self.t = 0
         self.kappa = [0.0] * T  # lamb_coeff_freeze
@@ -125,6 +124,7 @@ class OneBitLambRule:
         self._host = None
         self._scratch = {}
         self._device = None  # ((library, device), its LambOnDevice)
+        self._cpu = OneBitHostStep(self)  # the step on NumPy arrays
 
     # ------------------------------------------------------------------ state
     @property
@@ -151,7 +151,9 @@ class OneBitLambRule:
         like = _arr.as_array(like)
         self._ensure_state(_arr.namespace(like), like)
 
-    def _buf(self, xp, name):
+    def scratch(self, xp, name):
+        """A scratch array of the model's size on ``xp``, by name (the warm-up's mean gradient, the
+        compression stage's momentum on the host), kept between steps."""
         a = self._scratch.get(name)
         if a is None or _arr.namespace(a) is not xp:
             a = self._scratch[name] = xp.empty(self.layout.total, self.layout.dtype)
@@ -219,9 +221,9 @@ class OneBitLambRule:
                 if xp is not np:
                     self._device_step(xp, x, xv, g, gv, lr)
                 elif self.compressing:
-                    self._compressed(xv, gv, lr)
+                    self._cpu.compressed(xv, gv, lr)
                 else:
-                    self._warmup(xv, gv, lr)
+                    self._cpu.warmup(xv, gv, lr)
         except NonFiniteError as e:
             if self.on_nonfinite == "raise":
                 raise
@@ -248,145 +250,14 @@ class OneBitLambRule:
             raise LayoutError(f"expected a fused buffer of {lay.total} {lay.dtype.name}, got {flat.shape} {flat.dtype.name}")
         return lay.flat_views(flat)
 
-    def _corrections(self, t):
+    def corrections(self, t):
+        """The bias corrections ``(1 - b1^t, 1 - b2^min(t, freeze_step), 1 - b2^t)`` (ones without
+        ``bias_correction``)."""
         b1, b2 = self.betas
         if not self.bias_correction:
             return 1.0, 1.0, 1.0
         frozen = min(t, self.freeze_step)
         return 1.0 - b1**t, 1.0 - b2**frozen, 1.0 - b2**t
-
-    def _warmup(self, xv, gv, lr):
-        lay, comm = self.layout, self.comm
-        dt = lay.dtype.type
-        t = self.t + 1
-        b1, b2 = self.betas
-        # the mean gradient (the engine's dense allreduce in DeepSpeed); raises, changing nothing,
-        # if any rank's gradient is not finite
-        gbar = self._buf(np, "g")
-        for v, o, n in zip(gv, lay.offsets, lay.sizes):
-            gbar[o : o + n] = v
-        comm.sync(gbar)
-        c1, c2, _ = self._corrections(t)
-        sums = []
-        for i, (o, n) in enumerate(lay.segments()):
-            m, v, g, xi = self.m[o : o + n], self.v[o : o + n], gbar[o : o + n], xv[i]
-            m *= dt(b1)
-            m += dt(1.0 - b1) * g
-            v *= dt(b2)
-            v += dt(1.0 - b2) * (g * g)
-            u = self._direction(i, c1, c2, xi)
-            sums += [_sumsq(xi), _sumsq(u)]
-            del u
-        if t == self.freeze_step:
-            self.f = self.v.copy()
-        for i, (o, n) in enumerate(lay.segments()):
-            xn, un = math.sqrt(sums[2 * i]), math.sqrt(sums[2 * i + 1])
-            c = trust_ratio(xn, un, self.c_min, self.c_max)
-            if c != 1.0:
-                self.kappa[i] = self.coeff_beta * self.kappa[i] + (1.0 - self.coeff_beta) * c
-            self.lamb_coeffs[i] = c
-            if n:  # the direction again, as in the first pass (bitwise): no whole-model scratch for it
-                xv[i] -= dt(lr * c) * self._direction(i, c1, c2, xv[i])
-        self.t = t
-
-    def _direction(self, i, c1, cv, xi):
-        """Tensor ``i``'s direction ``m / (sqrt(v / cv) + eps) + weight_decay * xi``, a new
-        array: computed in the first pass for the norms and again in the update pass with the
-        same operations, so the two agree bit for bit."""
-        o, n = self.layout.offsets[i], self.layout.sizes[i]
-        dt = self.layout.dtype.type
-        m, v = self.m[o : o + n], self.v[o : o + n]
-        u = np.sqrt(v / dt(cv) if cv != 1.0 else v)
-        u += dt(self.eps)
-        np.divide(m / dt(c1) if c1 != 1.0 else m, u, out=u)
-        if self.weight_decay > 0:
-            u += dt(self.weight_decay) * xi
-        return u
-
-    def _scaling(self):
-        """γ per tensor (first compression step): equal momentum RMS for every tensor."""
-        lay = self.layout
-        vals = [_sumsq(self.m[o : o + n]) for o, n in lay.segments()]
-        rho = [math.sqrt(s) / math.sqrt(n) if n else 0.0 for s, n in zip(vals, lay.sizes)]
-        nonempty = [r for r, n in zip(rho, lay.sizes) if n]
-        rbar = sum(nonempty) / len(nonempty) if nonempty else 0.0
-        return [rbar / r if r > 0 and rbar > 0 else 1.0 for r in rho]
-
-    def _compressed(self, xv, gv, lr):
-        lay, comm = self.layout, self.comm
-        dt = lay.dtype.type
-        t = self.t + 1
-        b1, b2 = self.betas
-        gamma = self.gamma if self.gamma is not None else self._scaling()
-        if self.f is None:  # freeze_step == 0: no warm-up, the fresh second moment starts from v
-            self.f = self.v.copy()
-        # this rank's scaled momentum, exchanged (m itself is untouched until the exchange succeeded)
-        M = self._buf(np, "g")
-        for i, (o, n) in enumerate(lay.segments()):
-            mi = M[o : o + n]
-            np.multiply(self.m[o : o + n], dt(b1), out=mi)
-            mi += dt(1.0 - b1) * gv[i]
-            mi *= dt(gamma[i])
-        if comm.size > 1:
-            self.exchange.allreduce(M)
-        elif not np.isfinite(np.sum(M, dtype=np.float64)):
-            raise NonFiniteError(f"1-bit LAMB step {t}: non-finite gradient", (0,))
-        self.gamma = gamma
-        c1, cv, cf = self._corrections(t)
-        eps, wd = dt(self.eps), dt(self.weight_decay)
-        sums = []
-        for i, (o, n) in enumerate(lay.segments()):
-            if not n:
-                continue
-            mn, m, v, f, xi = M[o : o + n], self.m[o : o + n], self.v[o : o + n], self.f[o : o + n], xv[i]
-            mn /= dt(gamma[i])
-            ghat = mn - dt(b1) * m
-            ghat /= dt(1.0 - b1)
-            f *= dt(b2)
-            f += dt(1.0 - b2) * (ghat * ghat)
-            del ghat
-            m[...] = mn
-            d = np.sqrt(v / dt(cv) if cv != 1.0 else v)
-            d += eps
-            # the direction only for its norms (with weight decay); the update pass recomputes it
-            u = np.divide(m / dt(c1) if c1 != 1.0 else m, d) if self.weight_decay > 0 else None
-            df = np.sqrt(f / dt(cf) if cf != 1.0 else f)
-            df += eps
-            d /= df
-            ratio = d.max()
-            del d, df
-            if u is not None:
-                sums += [ratio, _sumsq(u)]
-                u += wd * xi
-                sums.append(_sumsq(u))
-                del u
-            else:
-                sums.append(ratio)
-        self._factors_and_update(xv, [float(v) for v in sums], lr, c1, cv)
-        self.t = t
-
-    def _factors_and_update(self, xv, vals, lr, c1, cv):
-        """Steps 9-11 per tensor, from the host values ``vals`` of the moments pass (per tensor
-        with elements: the largest ratio, then with weight decay ``||u0||²`` and ``||u||²``)."""
-        dt = self.layout.dtype.type
-        k = 0
-        for i, n in enumerate(self.layout.sizes):
-            if not n:
-                continue
-            factor = vals[k]
-            k += 1
-            if self.weight_decay > 0:
-                u0n, un = math.sqrt(vals[k]), math.sqrt(vals[k + 1])
-                k += 2
-                w = min(1.0, u0n / un) if un > 0 else 1.0
-                factor = factor * w + (1.0 - w)
-            factor = _clamp(factor, self.factor_min, self.factor_max)
-            last = self.phi[i]
-            factor = _clamp(factor, last * (1.0 - self.factor_threshold), last * (1.0 + self.factor_threshold))
-            self.phi[i] = factor
-            coeff = self.kappa[i] * factor
-            self.lamb_coeffs[i] = coeff
-            xv[i] -= dt(lr * coeff) * self._direction(i, c1, cv, xv[i])
 
     # ------------------------------------------------------------------ on a device
     def _device_step(self, xp, x, xv, g, gv, lr):
@@ -412,13 +283,13 @@ class OneBitLambRule:
         allreduce, which raises on every rank if some rank's gradient is not finite), then the
         moments and tile norms, the coefficients and the update (three launches)."""
         t = self.t + 1
-        gbar = self._buf(xp, "g")
+        gbar = self.scratch(xp, "g")
         dev.scan(xp, gt, gbar)
         self.comm.sync(gbar, bad=dev.word[2])
         copy_f = t == self.freeze_step
         if copy_f:
             self.f = xp.empty(self.layout.total, self.layout.dtype)  # f = v, written by the moments pass
-        c1, c2, _ = self._corrections(t)
+        c1, c2, _ = self.corrections(t)
         dev.warm(xp, xt, gbar, copy_f, c1, c2)
         dev.coeffs(xp, False, lr)
         dev.update(xp, xt, c1, c2)
@@ -443,7 +314,7 @@ class OneBitLambRule:
             dev.scan(xp, gt, None)
             if bool(dev.word[2]):
                 raise NonFiniteError(f"1-bit LAMB step {t}: non-finite gradient", (0,))
-        corrections = self._corrections(t)
+        corrections = self.corrections(t)
         dev.comp(xp, xt, gt, w, errors, corrections)
         if times is not None:
             self.exchange.record(times)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from .. import arrays as _arr
-from ..wire.codecs import Layout
+from ..wire.layout import Layout
 from ..exchange.communicator import Communicator
 from ..errors import (
     ConfigError,
@@ -69,7 +69,7 @@ class Periodic:
 
     kind = "periodic"
 
-    def _setup(self, transport, x, names, options, check, comm_dtype, bucket_bytes):
+    def setup(self, transport, x, names, options, check, comm_dtype, bucket_bytes):
         self.transport = transport if transport is not None else LocalTransport()
         problem, digest = None, bytes(16)
         try:
@@ -85,7 +85,7 @@ class Periodic:
                     raise LayoutError(f"pass a list of arrays or one fused 1-D buffer, got shape {tuple(flat.shape)}")
                 self.layout = Layout([flat.shape], flat.dtype, names=names)
             self.dtype = self.layout.dtype
-            got = self._views(x)  # before the agreement: a non-contiguous array fails on every rank alike
+            got = self.views(x)  # before the agreement: a non-contiguous array fails on every rank alike
             self.value_dtype = _arr.value_dtype(self.dtype if comm_dtype is None else comm_dtype)
             self.options = dict(options(), value_dtype=self.value_dtype.name)
             text = repr((self.kind, sorted(self.options.items()), self.layout.shapes, self.dtype.name))
@@ -98,7 +98,7 @@ class Periodic:
                                  ratio=1.0, seed=0, bucket_bytes=bucket_bytes)
         self.stats = self.comm.stats
         self.t = 0
-        return self._broadcast(*got)
+        return self.broadcast(*got)
 
     def _agree(self, problem, digest):
         """Every rank checks, in one allgather, that no rank rejected its options and all agree."""
@@ -120,7 +120,7 @@ class Periodic:
                 f"ranks disagree on the {self.kind} options or arrays: rank(s) {differ} differ from rank 0; this is "
                 f"rank {t.rank} with {self.options} and {self.layout.describe()}")
 
-    def _views(self, x):
+    def views(self, x):
         """``(xp, 1-D views of the tensors, the fused buffer or None)``; LayoutError etc. on bad input."""
         lay = self.layout
         if isinstance(x, (list, tuple)):
@@ -140,13 +140,13 @@ class Periodic:
                               f"{flat.dtype.name}{list(flat.shape)}")
         return _arr.namespace(flat), lay.flat_views(flat), flat
 
-    def _take(self, x, what="x"):
-        """:meth:`_views`, collectively: a rank whose input is bad still takes part in the exchange
+    def take(self, x, what="x"):
+        """:meth:`views`, collectively: a rank whose input is bad still takes part in the exchange
         the others are in (flagged), so they raise PeerError naming it, and it raises its own error."""
         try:
             if x is None:
                 raise ConfigError(f"{self.kind} step {self.t} averages {what}: pass it to step()")
-            return self._views(x)
+            return self.views(x)
         except (SlambCommError, TypeError):
             try:
                 self.comm.sync([])  # a flagged dummy payload: nothing changes on any rank
@@ -154,7 +154,7 @@ class Periodic:
                 pass
             raise
 
-    def _broadcast(self, xp, views, flat):
+    def broadcast(self, xp, views, flat):
         """Rank 0's x on every rank (in place); returns ``(xp, views, flat)`` of x."""
         lay, P = self.layout, self.transport.size
         if P > 1:
@@ -172,11 +172,11 @@ class Periodic:
             self.stats.new_step()  # the start's broadcast is in stats.total, not in the first step's counts
         return xp, views, flat
 
-    def _base_state(self):
+    def base_state(self):
         return {"kind": self.kind, "t": self.t, "options": dict(self.options),
                 "shapes": [list(s) for s in self.layout.shapes], "dtype": self.dtype.name}
 
-    def _load_base(self, state):
+    def load_base(self, state):
         if state.get("kind") != self.kind:
             raise ConfigError(f"this state was saved by {state.get('kind')!r}, not {self.kind!r}")
         if [tuple(s) for s in state["shapes"]] != self.layout.shapes or state["dtype"] != self.dtype.name:
@@ -188,10 +188,10 @@ class Periodic:
             raise ConfigError(f"saved step count must be an integer >= 0, got {t!r}")
         return int(t)
 
-    def _load_arrays(self, state, keys):
+    def load_arrays(self, state, keys):
         """Restore the step count and the fused arrays ``keys`` of :meth:`state_dict` output exactly,
         onto the device of the current anchor (all checked before any is replaced)."""
-        t = self._load_base(state)
+        t = self.load_base(state)
         new = []
         for key in keys:
             v = np.asarray(state[key])
@@ -251,7 +251,7 @@ class DiLoCo(Periodic):
             return {"sync_interval": self.sync_interval, "outer_lr": self.outer_lr,
                     "outer_momentum": self.outer_momentum}
 
-        xp, views, flat = self._setup(transport, x, names, options, check, value_dtype, bucket_bytes)
+        xp, views, flat = self.setup(transport, x, names, options, check, value_dtype, bucket_bytes)
         with _arr.device_scope(views[0]):
             self.anchor = flat.copy() if flat is not None else xp.concatenate(views)
             self.momentum = xp.zeros_like(self.anchor)
@@ -270,7 +270,7 @@ class DiLoCo(Periodic):
         self.t += 1
         if self.t % self.sync_interval:
             return False
-        xp, views, flat = self._take(x)
+        xp, views, flat = self.take(x)
         lay, a, b = self.layout, self.anchor, self.momentum
         with _arr.device_scope(a):
             if flat is not None:
@@ -298,12 +298,12 @@ class DiLoCo(Periodic):
 
     def state_dict(self):
         """The step count, anchor and outer momentum (host copies; equal on every rank)."""
-        return dict(self._base_state(), anchor=host_copy(self.anchor), momentum=host_copy(self.momentum))
+        return dict(self.base_state(), anchor=host_copy(self.anchor), momentum=host_copy(self.momentum))
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly (onto the device of the current anchor). The
         options are this object's; x is the caller's to restore."""
-        self._load_arrays(state, ("anchor", "momentum"))
+        self.load_arrays(state, ("anchor", "momentum"))
 
 
 class DesLoc(Periodic):
@@ -342,7 +342,7 @@ class DesLoc(Periodic):
             return {"sync_interval": self.sync_interval, "moment1_interval": self.moment1_interval,
                     "moment2_interval": self.moment2_interval}
 
-        self._setup(transport, x, names, options, check, None, bucket_bytes)
+        self.setup(transport, x, names, options, check, None, bucket_bytes)
 
     def due(self):
         """What the next :meth:`step` averages: a tuple of 'x', 'm', 'v' (empty: nothing)."""
@@ -357,14 +357,14 @@ class DesLoc(Periodic):
         self.t += 1
         for name, arrs in (("x", x), ("m", m), ("v", v)):
             if name in due:
-                self._take(arrs, name)
+                self.take(arrs, name)
                 self.comm.sync(arrs)
         return due
 
     def state_dict(self):
         """The step count and options (DES-LOC keeps no state of its own beyond the inner optimizer's)."""
-        return self._base_state()
+        return self.base_state()
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output (the options are this object's)."""
-        self.t = self._load_base(state)
+        self.t = self.load_base(state)

@@ -68,15 +68,16 @@ import numpy as np
 
 from .. import arrays as _arr
 from ..device import slamb_step as _fused
-from ..errors import ConfigError, LayoutError, NonFiniteError
-from .tensorwise import TensorwiseStep, _views
+from ..errors import ConfigError, NonFiniteError
+from .slamb_state import SlambState
+from .tensorwise import Scratch, TensorwiseExchange, TensorwiseUpdate, _views
 
-__all__ = ["SlambRule"]
+__all__ = ["SlambRule", "expected_payload", "warn_if_not_sparse"]
 
 log = logging.getLogger("slamb_comm")
 
 
-class SlambRule(TensorwiseStep):
+class SlambRule:
     """SLAMB's optimizer state and update for the fused buffer described by ``comm.layout``.
 
     Args:
@@ -94,38 +95,21 @@ class SlambRule(TensorwiseStep):
             options above; a ConfigError on every rank names the ranks that differ. A caller
             whose options are unified later (Horovod's ``broadcast_optimizer_state``) passes
             False and calls :meth:`agree_options` before the first step instead.
-        shard_group: for sharded tensors (a layout with ``shards``; docs/algorithm.md section
-            15): a transport over the ranks that hold the other pieces of the same tensors (the
-            shard group of an HSDP mesh), while ``comm``'s transport spans the replicas of this
-            rank's pieces. Each step then sums every tensor's squared norms over the shard group
-            (4 floats per tensor) so that the trust ratios are the whole tensors', and agrees on a
-            non-finite step over it; ``P`` in the stale rate is the number of replicas. On a
-            device the kernels of :mod:`slamb_comm.device.slamb_step` take it too (the sums between kernels 2
-            and 3).
+        warn_payload: warn on rank 0 at construction when the expected bytes per step are not below a
+            dense allreduce's (:func:`warn_if_not_sparse`; an adapter of several rules warns once).
+        shard_group: for sharded tensors (a layout with ``shards``; docs/algorithm.md section 15): a
+            transport over the ranks holding the other pieces of the same tensors (an HSDP mesh's shard
+            group; ``comm`` spans the replicas). Each step sums every tensor's squared norms over it (4
+            floats per tensor), so the trust ratios are the whole tensors', and agrees on a skip over it.
 
-    One whole step is :meth:`step`. For overlapping communication with the backward
-    pass it is also offered in pieces: :meth:`begin_step`; :meth:`accumulate` per tensor as
-    its gradient arrives (it writes that tensor's share of the payload, possibly into the
-    caller's own buffer); :meth:`exchange` (or the caller's own averaging of those buffers);
-    then :meth:`apply` with the gradients again and the averaged values.
+    One whole step is :meth:`step`. For overlapping communication with the backward pass it is
+    also offered in pieces: :meth:`begin_step`; ``tensorwise.accumulate`` per tensor as its gradient
+    arrives (its share of the payload, possibly into the caller's buffer); ``tensorwise.exchange``
+    (or the caller's own averaging); then ``update.apply`` with the gradients and averaged values.
     """
 
-    def __init__(
-        self,
-        comm,
-        *,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-6,
-        weight_decay=0.0,
-        beta3=0.99,
-        sync_interval=100,
-        c_min=0.01,
-        c_max=1000.0,
-        on_nonfinite="skip",
-        check_options=True,
-        shard_group=None,
-    ):
+    def __init__(self, comm, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, beta3=0.99, sync_interval=100,
+                 c_min=0.01, c_max=1000.0, on_nonfinite="skip", check_options=True, shard_group=None, warn_payload=True):
         self.comm = comm
         self.layout = comm.layout
         _check_options(comm.layout, betas, beta3, sync_interval, c_min, c_max, eps, on_nonfinite)
@@ -148,18 +132,19 @@ class SlambRule(TensorwiseStep):
         self._unreported = None  # a step the device skipped, learnt by settle(), logged at the next step
         if check_options:
             self.agree_options()
+        if warn_payload:
+            warn_if_not_sparse([(comm, self.sync_interval)], "SlambRule")
         self.derived = comm.mask.kind == "cyclic"  # freshness follows from the mask's schedule
         self.t = 0  # steps committed
         self._t_open = None  # the step in progress, between begin_step and apply
-        self._xp = None
-        self.m = self.v = None
-        self._f = None  # stored freshness (bernoulli and topk masks only)
-        # Cyclic mask: stored freshness of the tensors that once skipped a step (no gradient on any
-        # rank), whose freshness then no longer follows the schedule. Empty unless that happens.
-        self._fx = {}
-        self._host = None  # state restored by load_state_dict, moved to the device on first use
-        self._scratch = {}
-        self._counts = self._starts = None  # M_t's count per tensor and the payload's starts (the CPU path)
+        #: m, v and the stored freshness (:class:`~slamb_comm.methods.slamb_state.SlambState`)
+        self.state = SlambState(comm.layout, self.derived)
+        #: scratch of one tensor's size at most, for the tensor-by-tensor step
+        self.scratch = Scratch()
+        #: the tensor-by-tensor step (the CPU's path, and the pieces API): its exchange half
+        #: (``counts``, ``picks``, ``accumulate``, ``exchange``) and its update half (``apply``)
+        self.tensorwise = TensorwiseExchange(self)
+        self.update = TensorwiseUpdate(self, self.tensorwise)
         #: whether :meth:`step` takes the device kernels (:mod:`slamb_comm.device.slamb_step`) for device arrays:
         #: None (default) where they apply, False never (tensor by tensor); NumPy arrays always go
         #: tensor by tensor (cache-sized blocks are the fast way on a CPU)
@@ -173,66 +158,40 @@ class SlambRule(TensorwiseStep):
         ``lr`` and ``weight_decay``, if given, are the values the next step will use."""
         lr = self.lr if lr is None else self.per_tensor(lr, "lr")
         weight_decay = self.weight_decay if weight_decay is None else self.per_tensor(weight_decay, "weight_decay")
-        opts = (self.betas, self.eps, self.beta3, self.sync_interval, self.c_min, self.c_max, lr,
-                weight_decay, self.on_nonfinite)
-        mine = np.frombuffer(self.layout.digest(*opts), dtype=np.int64).copy()
-        t = self.comm.transport
-        everyone = np.zeros(2 * t.size, dtype=np.int64)
-        t.allgather(mine, everyone)
-        everyone = everyone.reshape(t.size, 2)
-        differ = [r for r in range(t.size) if not np.array_equal(everyone[r], everyone[0])]
-        if differ:
-            raise ConfigError(
-                f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0; this is rank {t.rank} "
-                f"with betas={self.betas}, eps={self.eps}, beta3={self.beta3}, sync_interval={self.sync_interval}, "
-                f"c_min={self.c_min}, c_max={self.c_max}, lr={lr[:3]}..., weight_decay={weight_decay[:3]}..., "
-                f"on_nonfinite={self.on_nonfinite!r}"
-            )
+        _agree(self.comm.transport, self.layout, dict(
+            betas=self.betas, eps=self.eps, beta3=self.beta3, sync_interval=self.sync_interval, c_min=self.c_min,
+            c_max=self.c_max, lr=lr, weight_decay=weight_decay, on_nonfinite=self.on_nonfinite))
 
     def per_tensor(self, value, name):
         """``value`` (a float, or one per tensor) as one float per tensor, checked (>= 0, finite)."""
-        n = len(self.layout)
-        if np.isscalar(value):
-            vals = [float(value)] * n
-        else:
-            vals = [float(v) for v in value]
-            if len(vals) != n:
-                raise ConfigError(f"{name}: {len(vals)} values for {n} tensors")
-        if not (math.isfinite(sum(vals)) and min(vals, default=0.0) >= 0):  # no call per tensor
-            raise ConfigError(f"{name} must be finite and >= 0, got {value}")
-        return vals
+        return per_tensor(len(self.layout), value, name)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (:class:`SlambState`)
     @property
     def xp(self):
         """``numpy`` or ``cupy``: where the state lives (``None`` before the first step)."""
-        return self._xp
+        return self.state.xp
 
-    def _ensure_state(self, xp, like):
-        if self._xp is None:
-            n, dt = self.layout.total, self.layout.dtype
-            with _arr.device_scope(like):
-                host = self._host or {}
-                self.m = xp.asarray(host["m"]) if "m" in host else xp.zeros(n, dt)
-                self.v = xp.asarray(host["v"]) if "v" in host else xp.zeros(n, dt)
-                if not self.derived:
-                    self._f = xp.asarray(host["f"]) if "f" in host else xp.ones(n, dt)
-                self._fx = {i: xp.asarray(a) for i, a in host.get("fx", {}).items()}
-            self._host = None
-            self._xp = xp
-        elif self._xp is not xp:
-            raise TypeError(f"SLAMB state lives in {self._xp.__name__}, got {xp.__name__} arrays")
+    @property
+    def m(self):
+        """The first moment, one flat array over the layout (None before the first step)."""
+        return self.state.m
+
+    @property
+    def v(self):
+        """The second moment, one flat array over the layout (None before the first step)."""
+        return self.state.v
 
     def place(self, like):
         """Allocate the state now (zeros, or what :meth:`load_state_dict` restored) in the library
         and on the device of the array ``like``, instead of at the first step."""
         like = _arr.as_array(like)
-        self._ensure_state(_arr.namespace(like), like)
+        self.state.ensure(_arr.namespace(like), like)
 
     @property
     def has_stored_freshness(self):
         """Whether some tensor's freshness is stored (cyclic mask: it once skipped a step), not derived."""
-        return bool(self._fx or (self._host or {}).get("fx"))
+        return self.state.has_stored_freshness
 
     @property
     def skipped_steps(self):
@@ -271,12 +230,27 @@ class SlambRule(TensorwiseStep):
         log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s", failed.t, self._skipped, e)
         return True
 
+    # ------------------------------------------------------------------ the step's life
+    @property
+    def t_open(self):
+        """The step in progress (between :meth:`begin_step` and its commit), or None."""
+        return self._t_open
+
     def begin_step(self):
         """Open step ``t + 1`` (after settling the last one) and return it."""
         self.settle()
-        t = super().begin_step()
+        if self._t_open is not None:
+            raise RuntimeError(f"step {self._t_open} is still open: call apply() (or abort_step()) first")
+        t = self._t_open = self.t + 1
         self.opened += 1
+        self.tensorwise.begin(t)
         return t
+
+    def abort_step(self):
+        """Abandon the open step: nothing it computed is kept."""
+        self._t_open = None
+        self._device_open = None
+        self.tensorwise.reset()
 
     def end_step(self, t):
         """Commit step ``t``, whose update has been applied: it becomes the last step."""
@@ -284,63 +258,14 @@ class SlambRule(TensorwiseStep):
             raise RuntimeError(f"step {t} is not the open step ({self._t_open})")
         self.t = t
         self._t_open = None
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
-
-    def _buf(self, xp, name, n, dtype):
-        """A reusable scratch array of at least ``n`` elements (first ``n`` returned)."""
-        a = self._scratch.get(name)
-        if a is None or a.size < n or a.dtype != dtype or _arr.namespace(a) is not xp:
-            a = self._scratch[name] = xp.empty(n, dtype)
-        return a[:n]
+        self.tensorwise.reset()
 
     def freshness(self, i=None):
         """The freshness f after the last committed step: of tensor ``i`` (shaped like it), or of
         the fused buffer (``i=None``); a host array. Derived from the mask's schedule for the
         cyclic mask (built here, O(size)); a copy of the stored state otherwise."""
         self.settle()
-        lay = self.layout
-        idx = range(len(lay)) if i is None else [i]
-        parts = []
-        for k in idx:
-            n = lay.sizes[k]
-            fx = self._host.get("fx", {}) if self._host is not None else self._fx
-            if self.derived and k in fx:
-                parts.append(_arr.to_host(fx[k]).copy())
-                continue
-            if not self.derived:
-                f = self._host["f"] if self._host is not None and "f" in self._host else self._f
-                parts.append(np.ones(n, lay.dtype) if f is None else
-                             _arr.to_host(f[lay.offsets[k] : lay.offsets[k] + n]).copy())
-                continue
-            mask = self.comm.mask
-            if k not in mask._geo:
-                parts.append(np.ones(n, lay.dtype))
-                continue
-            parts.append(mask.freshness(k, self.t, self.beta3, 0, n).astype(lay.dtype))
-        if i is not None:
-            return parts[0].reshape(lay.shapes[i])
-        return np.concatenate(parts) if parts else np.zeros(0, lay.dtype)
-
-    def stored_freshness(self, i):
-        """Tensor ``i``'s stored freshness (a live 1-D view), or None where it is derived from the
-        cyclic mask's schedule."""
-        if not self.derived:
-            o, n = self.layout.offsets[i], self.layout.sizes[i]
-            return None if self._f is None else self._f[o : o + n]
-        return self._fx.get(i)
-
-    def keep_freshness(self, i, f):
-        """Store tensor ``i``'s freshness ``f`` (cyclic mask: for a tensor whose freshness left the
-        schedule because it once skipped a step; used when such a state is restored)."""
-        if not self.derived:
-            raise RuntimeError("only the cyclic mask derives freshness; the others store all of it")
-        if self._xp is None:
-            raise RuntimeError("place() the state first")
-        host = np.array(_arr.to_host(_arr.as_array(f)), dtype=self.layout.dtype).reshape(-1)
-        self._fx[i] = self._xp.asarray(host)
+        return self.state.freshness(i, self.comm.mask, self.t, self.beta3)
 
     def set_ratio(self, ratio):
         """Change k to ``ratio`` from the next step on (between steps, on every rank alike:
@@ -358,17 +283,9 @@ class SlambRule(TensorwiseStep):
         """This rank's state: step, m, v, f (host copies; f derived where the mask allows) and
         the communicator's state."""
         self.settle()
-        src = self._host if self._host is not None else {"m": self.m, "v": self.v}
-        host = (lambda a: None if a is None else _arr.to_host(a).copy())
-        have = src.get("m") is not None
-        return {
-            "step": self.t,
-            "m": host(src.get("m")),
-            "v": host(src.get("v")),
-            "f": self.freshness() if have else None,
-            "skipped": sorted((self._host or {}).get("fx", {}) if self._host is not None else self._fx),
-            "comm": self.comm.state_dict(),
-        }
+        arrays, skipped = self.state.arrays()
+        return {"step": self.t, **arrays, "f": self.freshness() if arrays["m"] is not None else None,
+                "skipped": skipped, "comm": self.comm.state_dict()}
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly. The state stays on the host until the next
@@ -379,34 +296,18 @@ class SlambRule(TensorwiseStep):
         self.device.pending = self._unreported = None  # the last step's verdict is of the state replaced
         self.comm.load_state_dict(state["comm"])
         self.t = int(state["step"])
-        self._xp = None
-        self.m = self.v = self._f = None
-        self._fx = {}
-        self._scratch = {}
-        if state["m"] is None:
-            self._host = None
-            return
-        dt, n = self.layout.dtype, self.layout.total
-        keys = ("m", "v") if self.derived else ("m", "v", "f")
-        for k in keys:
-            if np.shape(state[k]) != (n,):
-                raise LayoutError(f"saved {k} has shape {np.shape(state[k])}, expected ({n},)")
-        self._host = {k: np.array(_arr.to_host(state[k]), dtype=dt, copy=True) for k in keys}
-        if self.derived and state.get("skipped"):  # tensors whose freshness left the schedule
-            f = _arr.to_host(state["f"])
-            lay = self.layout
-            self._host["fx"] = {int(i): np.array(f[lay.offsets[i] : lay.offsets[i] + lay.sizes[i]], dtype=dt)
-                                for i in state["skipped"]}
+        self.scratch.clear()
+        self.state.load(state)
 
     def step(self, x, g, lr=None, weight_decay=None, written=None, skip=()):
         """One whole SLAMB step: ``x`` updated in place from this rank's gradient ``g``.
 
         ``x`` and ``g``: fused flat buffers or lists of arrays shaped like the layout (or lazily
-        read sequences, with ``written`` as in :meth:`apply`; ``g`` also
+        read sequences, with ``written`` as in ``update.apply``; ``g`` also
         :class:`~slamb_comm.device.tables.Addresses`). On a device the step runs as the kernels of
         :mod:`slamb_comm.device.slamb_step` (a constant number of device operations whatever the number of
         tensors; :attr:`fused` chooses); on the CPU tensor by tensor. ``skip``: tensors without a
-        gradient on every rank (the same on every rank; see :meth:`apply`); they still take part
+        gradient on every rank (the same on every rank; see ``update.apply``); they still take part
         in the exchange with whatever ``g`` holds for them (zeros). It is :meth:`exchange_step`
         then :meth:`apply_step`.
         """
@@ -433,11 +334,11 @@ class SlambRule(TensorwiseStep):
             try:
                 gv = _views(self.layout, g)
                 for i in range(len(self.layout)):
-                    self.accumulate(i, gv[i])
+                    self.tensorwise.accumulate(i, gv[i])
             except Exception:
                 self.abort_step()
                 raise
-            exchange = lambda: self.exchange(g)  # noqa: E731
+            exchange = lambda: self.tensorwise.exchange(g)  # noqa: E731
         if self.shard_group is None:
             return exchange()
         try:
@@ -465,7 +366,7 @@ class SlambRule(TensorwiseStep):
         opened, self._device_open = self._device_open, None
         if opened is not None:
             return self.device.close_step(opened, x, g, lr, weight_decay, written)
-        return self.apply(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
+        return self.update.apply(x, g, lr=lr, weight_decay=weight_decay, written=written, skip=skip)
 
     def _skip(self, e, x):
         """A step that failed on every rank for non-finite values: raise, or count and log it."""
@@ -475,6 +376,66 @@ class SlambRule(TensorwiseStep):
         log.warning("slamb_comm: step %d skipped on every rank (%d skipped so far): %s",
                     self.t + 1, self._skipped, e)
         return x
+
+
+def per_tensor(n, value, name):
+    """``value`` (a float, or one per tensor of ``n``) as ``n`` floats, checked (>= 0, finite): ConfigError
+    naming option ``name`` otherwise. No Python-level step per tensor."""
+    if np.isscalar(value):
+        vals = [float(value)] * n
+    else:
+        vals = [float(v) for v in value]
+        if len(vals) != n:
+            raise ConfigError(f"{name}: {len(vals)} values for {n} tensors")
+    if not (math.isfinite(sum(vals)) and min(vals, default=0.0) >= 0):
+        raise ConfigError(f"{name} must be finite and >= 0, got {value}")
+    return vals
+
+
+def _agree(transport, layout, opts):
+    """Collective: ConfigError on every rank, naming the ranks that differ from rank 0, unless every rank
+    has the same options ``opts`` (a dict: lr and weight_decay one value per tensor)."""
+    mine = np.frombuffer(layout.digest(*opts.values()), dtype=np.int64).copy()
+    everyone = np.zeros(2 * transport.size, dtype=np.int64)
+    transport.allgather(mine, everyone)
+    everyone = everyone.reshape(transport.size, 2)
+    differ = [r for r in range(transport.size) if not np.array_equal(everyone[r], everyone[0])]
+    if differ:
+        shown = {k: (v[:3] + ["..."] if isinstance(v, list) and len(v) > 3 else v) for k, v in opts.items()}
+        raise ConfigError(f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0; this is rank "
+                          f"{transport.rank} with " + ", ".join(f"{k}={v!r}" for k, v in shown.items()))
+
+
+def expected_payload(comm, sync_interval):
+    """``(payload, dense)``: the bytes one rank hands the collectives per step, on average over a cycle
+    of the mask and the periodic sync (the always-dense tensors whole, a ``ratio`` share of each
+    compressible one, one status word, and every ``sync_interval`` steps the parameters), against a
+    dense allreduce of the gradients (docs/algorithm.md section 4)."""
+    lay = comm.layout
+    comp = sum(lay.sizes[i] for i in lay.compressible)
+    sent = (lay.total - comp) + comp * min(1.0, comm.ratio) + 1
+    payload = sent * comm.value_dtype.itemsize + (lay.total + 1) * lay.dtype.itemsize / sync_interval
+    return payload, lay.total * lay.dtype.itemsize
+
+
+def warn_if_not_sparse(rules, what):
+    """On rank 0, one warning when the expected bytes per step of ``rules`` (``(communicator,
+    sync_interval)`` pairs) are not below a dense allreduce's, naming the fix; returns the share."""
+    payload = dense = 0.0
+    for comm, H in rules:
+        p, d = expected_payload(comm, H)
+        payload, dense = payload + p, dense + d
+    share = payload / dense if dense else 0.0
+    if share >= 1.0 and rules and rules[0][0].rank == 0:
+        lay = [c.layout for c, _ in rules]
+        small = sum(sum(1 for d in x.dense if d) for x in lay)
+        log.warning(
+            "slamb_comm: %s expects to send %.0f%% of a dense allreduce's bytes per step (%d of %d tensors are "
+            "always sent whole: ndim <= 1 or fewer than dense_threshold=%d elements), so compression saves "
+            "nothing here. Lower dense_threshold=, fuse small tensors into larger ones, raise sync_interval=, "
+            "use value_dtype='float16', or use dense data parallelism (DDP) for this model.",
+            what, 100 * share, small, sum(len(x) for x in lay), lay[0].dense_threshold)
+    return share
 
 
 def _namespace_of(x):

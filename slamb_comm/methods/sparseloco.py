@@ -49,7 +49,8 @@ import numpy as np
 
 from .. import arrays as _arr
 from ..wire.chunk_topk import ChunkTopK, int_in, pack_bits, pad8, unpack_bits
-from ..wire.codecs import Layout, check_ratio
+from ..wire.codecs import check_ratio
+from ..wire.layout import Layout
 from ..exchange.communicator import Communicator
 from ..errors import (
     collective_error,
@@ -78,21 +79,25 @@ def _dtype_of(x):
 class _SparseOuter(Periodic):
     """What the two variants share: options, the fold into e, the outer step, the state."""
 
-    def _init(self, transport, x, names, check, options, value_dtype, bucket_bytes):
+    def init(self, transport, x, names, check, options, value_dtype, bucket_bytes, outer):
+        """Set up for the variant that calls it: its ``outer`` options ``(sync_interval, outer_lr, beta)``
+        checked, then :meth:`~slamb_comm.methods.periodic.Periodic.setup`, the anchor and the error."""
+        H, lr, beta = outer
+
         def checks():
             _dtype_of(x)
-            self.sync_interval = check_interval("sync_interval", self._H, f"the paper uses 15 to 250; "
+            self.sync_interval = check_interval("sync_interval", H, f"the paper uses 15 to 250; "
                                                 f"this library's default is {DEFAULT_INTERVAL}")
-            self.outer_lr = check_number("outer_lr", self._lr, lambda v: v > 0, "a finite number > 0",
+            self.outer_lr = check_number("outer_lr", lr, lambda v: v > 0, "a finite number > 0",
                                           "1 applies the mean of the sparse updates as it is")
-            self.beta = check_number("beta", self._beta, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+            self.beta = check_number("beta", beta, lambda v: 0 <= v <= 1, "a number in [0, 1]",
                                       "the error feedback's decay; 0.95 is the default")
             check()
 
         def all_options():
             return dict(options(), sync_interval=self.sync_interval, outer_lr=self.outer_lr, beta=self.beta)
 
-        xp, views, flat = self._setup(transport, x, names, all_options, checks, value_dtype, bucket_bytes)
+        xp, views, flat = self.setup(transport, x, names, all_options, checks, value_dtype, bucket_bytes)
         with _arr.device_scope(views[0]):
             self.anchor = flat.copy() if flat is not None else xp.concatenate(views)
             self.error = xp.zeros_like(self.anchor)
@@ -101,17 +106,17 @@ class _SparseOuter(Periodic):
         """Whether the next :meth:`step` is an outer step (it then needs x)."""
         return (self.t + 1) % self.sync_interval == 0
 
-    def _local(self, x):
+    def local(self, x):
         """``(xp, views, flat, None)`` of this rank's x, or ``(xp, None, None, error)`` for input this
         rank must reject (it still takes part in the exchange, flagged)."""
         try:
             if x is None:
                 raise ConfigError(f"{self.kind} step {self.t} is an outer step: pass x to step()")
-            return (*self._views(x), None)
+            return (*self.views(x), None)
         except (SlambCommError, TypeError) as e:
             return _arr.namespace(self.anchor), None, None, e
 
-    def _fold(self, xp, views, flat):
+    def fold(self, xp, views, flat):
         """The new accumulator ``beta e + (anchor - x)`` (a new array; e is not changed) and
         whether it is finite (a bool, or a 0-d device array)."""
         if flat is not None:
@@ -123,7 +128,7 @@ class _SparseOuter(Periodic):
             d += self.anchor.dtype.type(self.beta) * self.error
         return d, xp.isfinite(d).all()
 
-    def _update(self, summed):
+    def decrement(self, summed):
         """The anchor's decrement from an allreduced sum of the sent values (in the payload's
         dtype): widened to the arrays' dtype before dividing by P (it may exceed float16), times
         outer_lr."""
@@ -133,7 +138,7 @@ class _SparseOuter(Periodic):
         mean *= self.dtype.type(self.outer_lr)
         return mean
 
-    def _apply(self, views, flat):
+    def apply_anchor(self, views, flat):
         """x = anchor on this rank (in place)."""
         if flat is not None:
             flat[...] = self.anchor
@@ -144,11 +149,11 @@ class _SparseOuter(Periodic):
     def state_dict(self):
         """The step count, the anchor (equal on every rank) and this rank's error accumulator
         (host copies); loading it back on the same rank continues bitwise."""
-        return dict(self._base_state(), anchor=host_copy(self.anchor), error=host_copy(self.error))
+        return dict(self.base_state(), anchor=host_copy(self.anchor), error=host_copy(self.error))
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` output exactly (onto the device of the current anchor)."""
-        self._load_arrays(state, ("anchor", "error"))
+        self.load_arrays(state, ("anchor", "error"))
 
 
 class SparseLoCo(_SparseOuter):
@@ -182,8 +187,6 @@ class SparseLoCo(_SparseOuter):
 
     def __init__(self, transport, x, *, sync_interval=DEFAULT_INTERVAL, outer_lr=1.0, beta=0.95, chunk=4096,
                  topk=64, bits=2, names=None, bucket_bytes=32 << 20):
-        self._H, self._lr, self._beta = sync_interval, outer_lr, beta
-
         def check():
             n = sum(int(np.prod(np.shape(a))) for a in x) if isinstance(x, (list, tuple)) else int(np.size(x))
             self.codec = ChunkTopK(n, chunk, topk, bits)
@@ -192,7 +195,7 @@ class SparseLoCo(_SparseOuter):
             c = self.codec
             return {"chunk": c.s, "topk": c.k, "bits": c.bits}
 
-        self._init(transport, x, names, check, options, None, bucket_bytes)
+        self.init(transport, x, names, check, options, None, bucket_bytes, (sync_interval, outer_lr, beta))
 
     def step(self, x=None):
         """Count one inner step; at an outer step (see :meth:`due`) run it on ``x`` in place and
@@ -202,14 +205,14 @@ class SparseLoCo(_SparseOuter):
         if self.t % self.sync_interval:
             return False
         t0 = time.perf_counter()
-        xp, views, flat, problem = self._local(x)
+        xp, views, flat, problem = self.local(x)
         codec, lay, P = self.codec, self.layout, self.transport.size
         with _arr.device_scope(self.anchor):
             send = xp.zeros(codec.nbytes, np.uint8)
             status = codec.parts(send)[0]
             status[...] = STATUS_BAD_INPUT
             if problem is None:
-                e, ok = self._fold(xp, views, flat)
+                e, ok = self.fold(xp, views, flat)
                 pos, sent, ok2 = codec.encode(e, send)
                 status[...] = xp.where(ok & ok2, STATUS_OK, STATUS_NON_FINITE)
             t1 = time.perf_counter()
@@ -231,7 +234,7 @@ class SparseLoCo(_SparseOuter):
             mean *= self.dtype.type(self.outer_lr)
             self.anchor -= mean
             self.error = e
-            self._apply(views, flat)
+            self.apply_anchor(views, flat)
         self.stats.record("sparseloco_allgather", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))
         return True
 
@@ -270,8 +273,6 @@ class SharedMaskSparseLoCo(_SparseOuter):
 
     def __init__(self, transport, x, *, sync_interval=DEFAULT_INTERVAL, outer_lr=1.0, beta=0.95, ratio=1 / 64,
                  value_dtype="float16", seed=0, dense_threshold=9000, names=None, bucket_bytes=32 << 20):
-        self._H, self._lr, self._beta = sync_interval, outer_lr, beta
-
         def check():
             self.ratio = check_ratio(ratio)
             self.seed = int_in("seed", seed, 0, (1 << 62) - 1)
@@ -282,7 +283,7 @@ class SharedMaskSparseLoCo(_SparseOuter):
         def options():
             return {"ratio": self.ratio, "seed": self.seed, "dense_threshold": self.dense_threshold}
 
-        self._init(transport, x, names, check, options, value_dtype, bucket_bytes)
+        self.init(transport, x, names, check, options, value_dtype, bucket_bytes, (sync_interval, outer_lr, beta))
         lay = self.layout
         stats = self.stats
         self.comm = Communicator(self.transport, Layout(lay.shapes, lay.dtype, names=lay.names,
@@ -298,7 +299,7 @@ class SharedMaskSparseLoCo(_SparseOuter):
             return False
         t0 = time.perf_counter()
         j = self.t // self.sync_interval
-        xp, views, flat, problem = self._local(x)
+        xp, views, flat, problem = self.local(x)
         lay, P, vd = self.layout, self.transport.size, self.value_dtype
         with _arr.device_scope(self.anchor):
             sel = self.comm.select(j, xp)
@@ -306,7 +307,7 @@ class SharedMaskSparseLoCo(_SparseOuter):
             buf = xp.zeros(m + 1, vd)
             bad, sent = False, None
             if problem is None:
-                e, ok = self._fold(xp, views, flat)
+                e, ok = self.fold(xp, views, flat)
                 bad = ~ok if xp is not np else not bool(ok)
                 vals = sel.take(e)
                 sent = _arr.cast(vals, vd)
@@ -320,14 +321,14 @@ class SharedMaskSparseLoCo(_SparseOuter):
                 self.comm.reduce_checked(buf, problem, bad, f"SharedMaskSparseLoCo outer step {j} (t = {self.t})",
                                          (sel.starts, sel.counts), sent=lambda: sent)
             t2 = time.perf_counter()
-            mean = self._update(buf[:m])
+            mean = self.decrement(buf[:m])
             vals -= _arr.cast(sent, self.dtype)
             sel.put(e, vals)
             a = sel.take(self.anchor)
             a -= mean
             sel.put(self.anchor, a)
             self.error = e
-            self._apply(views, flat)
+            self.apply_anchor(views, flat)
         self.stats.record("sparseloco_allreduce", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))
         return True
 
@@ -363,8 +364,6 @@ class SharedTopKSparseLoCo(_SparseOuter):
 
     def __init__(self, transport, x, *, sync_interval=DEFAULT_INTERVAL, outer_lr=1.0, beta=0.95, chunk=4096,
                  topk=64, value_dtype="float16", names=None, bucket_bytes=32 << 20):
-        self._H, self._lr, self._beta = sync_interval, outer_lr, beta
-
         def check():
             n = sum(int(np.prod(np.shape(a))) for a in x) if isinstance(x, (list, tuple)) else int(np.size(x))
             self.codec = ChunkTopK(n, chunk, topk, 32)  # the geometry and the selection; values go apart
@@ -374,7 +373,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
         def options():
             return {"chunk": self.codec.s, "topk": self.codec.k}
 
-        self._init(transport, x, names, check, options, value_dtype, bucket_bytes)
+        self.init(transport, x, names, check, options, value_dtype, bucket_bytes, (sync_interval, outer_lr, beta))
         self.index_bytes = 8 + pad8(-(-self.codec.K * self.codec.index_bits // 8))
 
     def leader(self, j):
@@ -410,7 +409,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
             return False
         t0 = time.perf_counter()
         j = self.t // self.sync_interval
-        xp, views, flat, problem = self._local(x)
+        xp, views, flat, problem = self.local(x)
         lay, P, vd, K = self.layout, self.transport.size, self.value_dtype, self.codec.K
         payload, dense = self.index_bytes + (K + 1) * vd.itemsize, lay.total * self.dtype.itemsize
         traffic = (lambda enc, comm, dec: Traffic.one_call(
@@ -418,7 +417,7 @@ class SharedTopKSparseLoCo(_SparseOuter):
             wire_bytes=broadcast_wire(self.index_bytes, P) + allreduce_wire((K + 1) * vd.itemsize, P),
             encode_s=enc, comm_s=comm, decode_s=dec))
         with _arr.device_scope(self.anchor):
-            e, ok = self._fold(xp, views, flat) if problem is None else (self.error, False)
+            e, ok = self.fold(xp, views, flat) if problem is None else (self.error, False)
             with self.stats.failed("sparseloco_shared_topk", lambda: traffic(0.0, time.perf_counter() - t0, 0.0)):
                 pos = self._positions(xp, e, ok, problem, self.leader(j))
                 t1 = time.perf_counter()
@@ -431,8 +430,8 @@ class SharedTopKSparseLoCo(_SparseOuter):
                                          f"SharedTopKSparseLoCo outer step {j} (t = {self.t})", sent=lambda: sent)
             t2 = time.perf_counter()
             e[pos] = vals - _arr.cast(sent, self.dtype)
-            self.anchor[pos] -= self._update(buf[:K])
+            self.anchor[pos] -= self.decrement(buf[:K])
             self.error = e
-            self._apply(views, flat)
+            self.apply_anchor(views, flat)
         self.stats.record("sparseloco_shared_topk", traffic(t1 - t0, t2 - t1, time.perf_counter() - t2))
         return True

@@ -1,12 +1,13 @@
 """SLAMB's step tensor by tensor (docs/algorithm.md section 1): the CPU's path, and the pieces API.
 
-:class:`TensorwiseStep` is the part of :class:`~slamb_comm.methods.slamb.SlambRule` that works one tensor at a
-time, in cache-sized blocks on the CPU: :meth:`~TensorwiseStep.begin_step`,
-:meth:`~TensorwiseStep.accumulate` (per tensor, as its gradient arrives: the adapters' hooks),
-:meth:`~TensorwiseStep.exchange`, :meth:`~TensorwiseStep.apply`. :meth:`SlambRule.step` runs them in
-turn for lists of arrays and on the CPU; on a device, fused buffers take
-:mod:`slamb_comm.device.slamb_step` instead. The state (``m``, ``v``, the freshness), the options and the
-checkpoint format are :class:`~slamb_comm.methods.slamb.SlambRule`'s.
+Two parts that a :class:`~slamb_comm.methods.slamb.SlambRule` owns and hands its pieces API to, each on
+the rule's public state and options: :class:`TensorwiseExchange` (per step: M_t's picks and counts,
+:meth:`~TensorwiseExchange.accumulate` per tensor as its gradient arrives -- the adapters' hooks --, the
+payload and :meth:`~TensorwiseExchange.exchange`) and :class:`TensorwiseUpdate` (:meth:`~TensorwiseUpdate.apply`:
+per tensor the moments, the direction, the trust ratios and the update, in cache-sized blocks on the CPU).
+:meth:`SlambRule.step` runs them in turn for lists of arrays and on the CPU; on a device, fused buffers
+take :mod:`slamb_comm.device.slamb_step` instead. The state (``m``, ``v``, the freshness), the options and
+the checkpoint format are the rule's.
 """
 
 import math
@@ -15,12 +16,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import arrays as _arr
-from ..wire.codecs import per_tensor
+from ..wire.layout import per_tensor
 from ..errors import LayoutError, NonFiniteError
 from ..device.tables import Addresses
 from ..wire.masks import BLOCK
 
-__all__ = ["TensorwiseStep", "trust_ratio"]
+__all__ = ["TensorwiseExchange", "TensorwiseUpdate", "Scratch", "trust_ratio"]
 
 
 class _TensorViews(NamedTuple):
@@ -49,55 +50,69 @@ class _Commit(NamedTuple):
     wd_w: float  # the weight decay on x inside w
 
 
-class TensorwiseStep:
-    """The tensor-by-tensor step of :class:`~slamb_comm.methods.slamb.SlambRule` (a base class: it uses the
-    state and options that ``SlambRule`` holds)."""
+class Scratch:
+    """Reusable scratch arrays by name (one tensor's size at most: nothing of the model's size)."""
 
-    # ------------------------------------------------------------------ pieces
-    def begin_step(self):
-        """Open step ``t + 1`` and return it."""
-        if self._t_open is not None:
-            raise RuntimeError(f"step {self._t_open} is still open: call apply() (or abort_step()) first")
-        t = self._t_open = self.t + 1
-        self._bad_tensors = {}
-        self._payload = None
-        self._picks = {}
-        self._rot = {}
-        self._local = {}
-        kind = self.comm.mask.kind
-        if kind == "topk":
+    def __init__(self):
+        self._arrays = {}
+
+    def get(self, xp, name, n, dtype):
+        """A scratch array of at least ``n`` elements of ``dtype`` on ``xp`` (its first ``n`` returned)."""
+        a = self._arrays.get(name)
+        if a is None or a.size < n or a.dtype != dtype or _arr.namespace(a) is not xp:
+            a = self._arrays[name] = xp.empty(n, dtype)
+        return a[:n]
+
+    def clear(self):
+        self._arrays = {}
+
+
+class TensorwiseExchange:
+    """The exchange half of a :class:`~slamb_comm.methods.slamb.SlambRule`'s tensor-by-tensor step, per
+    open step: M_t's picks and counts, this rank's payload and the exchange (see the module docstring)."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.layout, self.comm = rule.layout, rule.comm
+        self._counts = self._starts = None
+        self.reset()
+
+    def begin(self, t):
+        """Step ``t`` was opened: M_t's counts (the cyclic mask keeps them per chunk)."""
+        self.reset()
+        if self.comm.mask.kind == "topk":
             self._counts = None
         else:
             counts = self.comm.mask.counts(t)  # the cyclic mask's: one list per chunk
             if counts is not self._counts:
                 self._counts, self._starts = counts, _starts(counts)
-        return t
 
-    def abort_step(self):
-        """Abandon the open step: nothing it computed is kept."""
-        self._t_open = None
-        self._device_open = None
+    def reset(self):
+        """Forget the open step's picks, payload and checks (a step ended or was abandoned)."""
+        self._bad_tensors = {}
         self._payload = None
         self._picks = {}
         self._rot = {}
         self._local = {}
 
-    def _open(self):
-        if self._t_open is None:
+    def open_t(self):
+        """The open step (RuntimeError where none is)."""
+        t = self.rule.t_open
+        if t is None:
             raise RuntimeError("no step is open: call begin_step() first")
-        return self._t_open
+        return t
 
     def counts(self):
         """Per tensor, the number of its elements in M_t of the open step (the payload layout;
         not known before :meth:`exchange` for the topk mask)."""
-        self._open()
+        self.open_t()
         if self._counts is None:
             raise RuntimeError("the topk mask's counts are known only after exchange()")
         return list(self._counts)
 
     def picks(self, i, xp=np):
         """M_t of the open step within tensor ``i`` (a :class:`~slamb_comm.wire.picks.Picks`)."""
-        t = self._open()
+        t = self.open_t()
         p = self._picks.get(i)
         if p is None:
             mask = self.comm.mask
@@ -111,9 +126,6 @@ class TensorwiseStep:
                 return mask.picks(t, i, xp, self._rot[i])
             p = self._picks[i] = mask.picks(t, i, xp)  # bernoulli: drawn once per step
         return p
-
-    def _limit(self, xp):
-        return BLOCK if xp is np else None
 
     def _check(self, xp, g):
         """Whether the gradient (a range of it) is bad: a NaN or Inf, or an element whose square
@@ -141,7 +153,7 @@ class TensorwiseStep:
         follows in :meth:`exchange`). Returns whether this gradient is bad (a bool on the
         CPU, a 0-d array on a GPU): NaN/Inf, or too large for v.
         """
-        self._open()
+        self.open_t()
         lay = self.layout
         g = _arr.as_array(g_i)
         xp = _arr.namespace(g)
@@ -150,13 +162,13 @@ class TensorwiseStep:
             raise LayoutError(f"gradient of tensor {lay.names[i]!r} has {g.size} elements, expected {n}")
         g = g.reshape(-1)
         with _arr.device_scope(g):
-            self._ensure_state(xp, g)
+            self.rule.place(g)
             o = lay.offsets[i]
-            m = self.m[o : o + n]
+            m = self.rule.m[o : o + n]
             if self.comm.mask.kind == "topk":
                 bad = self._check(xp, g)
                 if i in lay.compressible:
-                    mn = self._buf(xp, "u", n, lay.dtype)
+                    mn = self.rule.scratch.get(xp, "u", n, lay.dtype)
                     self._moment1(xp, m, g, mn)
                     self._local[i] = self.comm.mask.pick(i, mn)
             else:
@@ -172,14 +184,14 @@ class TensorwiseStep:
 
     def _moment1(self, xp, m, g, out):
         """``out = b1 m + (1-b1) g`` (the new momentum, not committed), blocked on the CPU."""
-        b1 = self.betas[0]
+        b1 = self.rule.betas[0]
         dt = self.layout.dtype.type
-        lim = self._limit(xp) or m.size
+        lim = self.limit(xp) or m.size
         for lo in range(0, m.size, lim):
             hi = min(lo + lim, m.size)
             o = out[lo:hi]
             xp.multiply(m[lo:hi], dt(b1), out=o)
-            tmp = self._buf(xp, "tmp", hi - lo, self.layout.dtype)
+            tmp = self.rule.scratch.get(xp, "tmp", hi - lo, self.layout.dtype)
             xp.multiply(g[lo:hi], dt(1.0 - b1), out=tmp)
             o += tmp
 
@@ -187,17 +199,17 @@ class TensorwiseStep:
         """``out = b1 m[M_t] + (1 - b1) g[M_t]`` for one tensor, in payload order, in the same
         blocked pass as the gradient's check (``check``: return whether it is bad)."""
         dt = self.layout.dtype
-        b1, c1 = dt.type(self.betas[0]), dt.type(1.0 - self.betas[0])
+        b1, c1 = dt.type(self.rule.betas[0]), dt.type(1.0 - self.rule.betas[0])
         bad = False
-        for r in picks.ranges(self._limit(xp)):
+        for r in picks.ranges(self.limit(xp)):
             if check:
                 gb = g[r[0] : r[1]]
                 bad = (bad or self._check(xp, gb)) if xp is np else (bad | self._check(xp, gb))
             a, b = picks.span(r)
             if b == a:
                 continue
-            tm = picks.take(m, r, self._buf(xp, "ta", b - a, dt))
-            tg = picks.take(g, r, self._buf(xp, "tb", b - a, dt))
+            tm = picks.take(m, r, self.rule.scratch.get(xp, "ta", b - a, dt))
+            tg = picks.take(g, r, self.rule.scratch.get(xp, "tb", b - a, dt))
             tm *= b1
             tg *= c1
             tm += tg
@@ -213,9 +225,10 @@ class TensorwiseStep:
         Raises NonFiniteError on every rank if any rank's gradients are bad; the step is then
         aborted and no state changes.
         """
-        t = self._open()
-        xp = self._xp or np
-        with _arr.device_scope(self.m if self.m is not None else np.zeros(0)):
+        t = self.open_t()
+        xp = self.rule.xp or np
+        m = self.rule.m
+        with _arr.device_scope(m if m is not None else np.zeros(0)):
             self._exchange(t, xp, grads)
 
     def _exchange(self, t, xp, grads):
@@ -229,7 +242,7 @@ class TensorwiseStep:
                 gv = _views(lay, grads)
                 for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
                     o = lay.offsets[i]
-                    self._gather(xp, p, self.m[o : o + lay.sizes[i]], gv[i], self._payload[s : s + c])
+                    self._gather(xp, p, self.rule.m[o : o + lay.sizes[i]], gv[i], self._payload[s : s + c])
             elif self._payload is None:
                 self._payload = xp.zeros(self._starts[-1] + 1, comm.value_dtype)  # no tensor accumulated
             buf = self._payload
@@ -240,14 +253,42 @@ class TensorwiseStep:
                                 spans=(self._starts[:-1], self._counts))
         except NonFiniteError as e:
             names = [lay.names[i] for i, b in self._bad_tensors.items() if bool(b)]
-            self.abort_step()
+            self.rule.abort_step()
             if not names:
                 raise
             raise NonFiniteError(f"{e} (this rank: non-finite gradient in {names})", e.ranks, names) from None
         except Exception:
-            self.abort_step()
+            self.rule.abort_step()
             raise
         comm.record_masked_allreduce(buf.size * buf.dtype.itemsize, buf.size - 1)
+
+    def means(self, means):
+        """Per tensor, the summed (after :meth:`exchange`) or averaged (the caller's ``means``)
+        payload values of M_t, and the scale that makes them means."""
+        lay = self.layout
+        if means is None:
+            if self._payload is None:
+                raise RuntimeError("no exchanged values: call exchange() or pass means=")
+            buf = self._payload
+            return [buf[s : s + c] for s, c in zip(self._starts, self._counts)], 1.0 / self.comm.size
+        if len(means) != len(lay):
+            raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
+        return [_arr.as_array(a).reshape(-1) for a in means], 1.0
+
+    @staticmethod
+    def limit(xp):
+        """The block of a pass: cache-sized on the CPU, the whole tensor on a device."""
+        return BLOCK if xp is np else None
+
+
+
+class TensorwiseUpdate:
+    """The update half of a :class:`~slamb_comm.methods.slamb.SlambRule`'s tensor-by-tensor step (see the
+    module docstring), on the rule's state and its :class:`TensorwiseExchange` ``exchange``'s picks."""
+
+    def __init__(self, rule, exchange):
+        self.rule, self.exchange = rule, exchange
+        self.layout, self.comm = rule.layout, rule.comm
 
     def apply(self, x, grads, means=None, lr=None, weight_decay=None, written=None, skip=()):
         """Finish the open step on parameters ``x`` (in place) with the gradients ``grads``.
@@ -265,21 +306,21 @@ class TensorwiseStep:
         a tensor's freshness is stored from then on (4 bytes per element of that tensor), since
         it no longer follows the schedule.
         """
-        t = self._open()
+        t = self.exchange.open_t()
         lay, comm = self.layout, self.comm
-        lr = self.lr if lr is None else self.per_tensor(lr, "lr")
-        wd = self.weight_decay if weight_decay is None else self.per_tensor(weight_decay, "weight_decay")
+        lr = self.rule.lr if lr is None else self.rule.per_tensor(lr, "lr")
+        wd = self.rule.weight_decay if weight_decay is None else self.rule.per_tensor(weight_decay, "weight_decay")
         xv, gv = _views(lay, x), _views(lay, grads)
-        means, scale = self._means(means)
-        F = [self.beta3 ** s for s in comm.mask.staleness(t)] if self.derived else None
-        sync = (t - 1) % self.sync_interval == 0 and comm.size > 1
+        means, scale = self.exchange.means(means)
+        F = [self.rule.beta3 ** s for s in comm.mask.staleness(t)] if self.rule.derived else None
+        sync = (t - 1) % self.rule.sync_interval == 0 and comm.size > 1
         bad = False  # whether some updated parameter is not finite, from the update's own pass on sync steps
         opened = []  # sharded tensors: every tensor's moments first, then the whole tensors' norms, then the updates
         for i, xi, gi in self._inputs(lay, xv, gv, written, skip):
             xp = _arr.namespace(xi)
             with _arr.device_scope(xi):
                 c = self._commit(xp, i, xi, gi, means[i], scale, t, wd[i])
-                if self.shard_group is not None:
+                if self.rule.shard_group is not None:
                     opened.append(c)
                     continue
                 fin = self._move(xp, c, t, c.sums, lr[i], F, sync)
@@ -295,7 +336,7 @@ class TensorwiseStep:
                 bad = (bad or not bool(fin)) if xp is np else (bad | ~fin)
             if written is not None:
                 written(c.tv.i)
-        self.end_step(t)  # before the sync, which may raise (then on every rank alike)
+        self.rule.end_step(t)  # before the sync, which may raise (then on every rank alike)
         if sync:
             comm.sync(x, written=written, bad=bad)
         return x
@@ -311,7 +352,7 @@ class TensorwiseStep:
                 continue
             xi, gi = xv[i], gv[i]
             xp = _arr.namespace(xi)
-            self._ensure_state(xp, xi)
+            self.rule.place(xi)
             if xi.dtype != lay.dtype or xi.size != n:
                 raise LayoutError(f"parameter {lay.names[i]!r}: {xi.size} {xi.dtype.name}, "
                                   f"expected {n} {lay.dtype.name}")
@@ -326,12 +367,12 @@ class TensorwiseStep:
         """Sharded tensors: each opened tensor's four squared norms summed over the shard group
         (one allreduce of 4 floats per tensor of the layout; a rank holding no piece of a tensor
         sends zeros), as ``(||x||^2, ||w||^2, ||x_S||^2, ||w_S||^2)`` of the whole tensor."""
-        group = self.shard_group
+        group = self.rule.shard_group
         if group is None:
             return []
-        if self.c_min == self.c_max:  # the trust ratios are fixed (SAdamW): the norms are not needed
+        if self.rule.c_min == self.rule.c_max:  # the trust ratios are fixed (SAdamW): the norms are not needed
             return [c.sums for c in opened]
-        xp = self._xp or np
+        xp = self.rule.xp or np
         sums = xp.zeros((len(self.layout), 4), np.float64)
         for c in opened:
             sums[c.tv.i] = xp.stack([xp.asarray(v, np.float64) for v in c.sums]) if xp is not np else c.sums
@@ -340,25 +381,12 @@ class TensorwiseStep:
             return [tuple(float(v) for v in sums[c.tv.i]) for c in opened]
         return [tuple(sums[c.tv.i, k] for k in range(4)) for c in opened]
 
-    def _means(self, means):
-        """Per tensor, the summed (after :meth:`exchange`) or averaged (the caller's ``means``)
-        payload values of M_t, and the scale that makes them means."""
-        lay = self.layout
-        if means is None:
-            if self._payload is None:
-                raise RuntimeError("no exchanged values: call exchange() or pass means=")
-            buf = self._payload
-            return [buf[s : s + c] for s, c in zip(self._starts, self._counts)], 1.0 / self.comm.size
-        if len(means) != len(lay):
-            raise LayoutError(f"got {len(means)} exchanged arrays, expected {len(lay)}")
-        return [_arr.as_array(a).reshape(-1) for a in means], 1.0
-
     def _keep_skipped(self, xp, i, like):
         """Tensor ``i`` had no gradient on any rank: with derived freshness, store its f as it
         was after step t - 1 (it leaves the mask's schedule from now on)."""
-        if self.derived and i not in self._fx:
+        if self.rule.derived and self.rule.state.stored(i) is None:
             with _arr.device_scope(like):
-                self._fx[i] = xp.asarray(self.freshness(i).reshape(-1))
+                self.rule.state.keep(i, self.rule.freshness(i))
 
     def _commit(self, xp, i, x, g, mean, scale, t, wd):
         """Pass 1 of tensor i (:meth:`_moments_pass`): its moments committed, the direction in the
@@ -370,14 +398,14 @@ class TensorwiseStep:
         coefficients instead."""
         lay = self.layout
         o, n = lay.offsets[i], lay.sizes[i]
-        picks = self.picks(i, xp)
-        ranges = picks.ranges(self._limit(xp))
+        picks = self.exchange.picks(i, xp)
+        ranges = picks.ranges(self.exchange.limit(xp))
         block = max(r[1] - r[0] for r in ranges)
-        tv = _TensorViews(i=i, x=x, g=g, m=self.m[o : o + n], v=self.v[o : o + n],
-                          f=self._fx.get(i) if self.derived else self._f[o : o + n],
-                          w=self._buf(xp, "u", n, lay.dtype), tmp=self._buf(xp, "tmp", block, lay.dtype),
+        tv = _TensorViews(i=i, x=x, g=g, m=self.rule.m[o : o + n], v=self.rule.v[o : o + n],
+                          f=self.rule.state.stored(i),
+                          w=self.rule.scratch.get(xp, "u", n, lay.dtype), tmp=self.rule.scratch.get(xp, "tmp", block, lay.dtype),
                           picks=picks, ranges=ranges, everything=picks.kind == "all")
-        b1, b2 = self.betas
+        b1, b2 = self.rule.betas
         s_u = math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
         sums = self._moments_pass(xp, tv, mean, scale, t, wd / s_u)
         return _Commit(tv=tv, sums=sums, s_u=s_u, wd_w=wd / s_u)
@@ -413,11 +441,11 @@ class TensorwiseStep:
         ``(||x||^2, ||w||^2, ||x_S||^2, ||w_S||^2)`` (host floats on the CPU, 0-d arrays on a GPU)."""
         dtype = self.layout.dtype
         dt = dtype.type
-        b1, b2 = self.betas
+        b1, b2 = self.rule.betas
         m, v, g, x, w, f, picks = tv.m, tv.v, tv.g, tv.x, tv.w, tv.f, tv.picks
         wide = np.promote_types(mean.dtype, dtype)
         c_b1, c_1b1, c_b2, c_1b2 = dt(b1), dt(1.0 - b1), dt(b2), dt(1.0 - b2)
-        c_eps, c_wd, c_b3 = dt(self.eps * math.sqrt(1.0 - b2**t)), dt(wd_w), dt(self.beta3)
+        c_eps, c_wd, c_b3 = dt(self.rule.eps * math.sqrt(1.0 - b2**t)), dt(wd_w), dt(self.rule.beta3)
         mul = xp.multiply
         xx = ww = xs = ws = 0.0
         for r in tv.ranges:
@@ -444,8 +472,8 @@ class TensorwiseStep:
             xx = xx + _sumsq(xp, xb)
             ww = ww + _sumsq(xp, wb)
             if not tv.everything and b > a:
-                xs = xs + _sumsq(xp, picks.take(x, r, self._buf(xp, "ta", b - a, dtype)))
-                ws = ws + _sumsq(xp, picks.take(w, r, self._buf(xp, "tb", b - a, dtype)))
+                xs = xs + _sumsq(xp, picks.take(x, r, self.rule.scratch.get(xp, "ta", b - a, dtype)))
+                ws = ws + _sumsq(xp, picks.take(w, r, self.rule.scratch.get(xp, "tb", b - a, dtype)))
         return (xx, ww, xx, ww) if tv.everything else (xx, ww, xs, ws)
 
     def _update_pass(self, xp, tv, t, rate_s, rate_a, F, check, wd_w=None):
@@ -458,7 +486,7 @@ class TensorwiseStep:
         mul, w, f, picks, mask = xp.multiply, tv.w, tv.f, tv.picks, self.comm.mask
         if wd_w is not None:
             dt = dtype.type
-            again = (dt(self.eps * math.sqrt(1.0 - self.betas[1] ** t)), dt(wd_w))
+            again = (dt(self.rule.eps * math.sqrt(1.0 - self.rule.betas[1] ** t)), dt(wd_w))
         moving = f is None and not tv.everything and not mask.settled(t)  # just after a ratio change
         if tv.everything:
             coef = _scalar(xp, rate_s, dtype)
@@ -479,7 +507,7 @@ class TensorwiseStep:
             if tv.everything:
                 mul(wr, coef, out=tmp)
             elif moving:  # derived freshness from two masks: built per range (a few steps per change)
-                fr = mask.freshness(tv.i, t, self.beta3, lo, hi, xp)
+                fr = mask.freshness(tv.i, t, self.rule.beta3, lo, hi, xp)
                 fr *= rate_s - rate_a
                 fr += rate_a
                 mul(fr.astype(dtype), wr, out=tmp)
@@ -487,7 +515,7 @@ class TensorwiseStep:
                 picks.scale(table, r, wr, tmp)
             else:
                 fb = f[lo:hi]
-                tmp2 = self._buf(xp, "tmp2", hi - lo, dtype)
+                tmp2 = self.rule.scratch.get(xp, "tmp2", hi - lo, dtype)
                 mul(fb, cs, out=tmp)
                 xp.subtract(dtype.type(1), fb, out=tmp2)
                 tmp2 *= ca
@@ -507,8 +535,8 @@ class TensorwiseStep:
         xa, ua = (max(xx - xs, 0.0), max(uu - us, 0.0)) if xp is np else (xp.maximum(xx - xs, 0.0),
                                                                            xp.maximum(uu - us, 0.0))
         sqrt = math.sqrt if xp is np else xp.sqrt
-        return (trust_ratio(sqrt(xs), sqrt(us), self.c_min, self.c_max, xp),
-                trust_ratio(sqrt(xa), sqrt(ua), self.c_min, self.c_max, xp))
+        return (trust_ratio(sqrt(xs), sqrt(us), self.rule.c_min, self.rule.c_max, xp),
+                trust_ratio(sqrt(xa), sqrt(ua), self.rule.c_min, self.rule.c_max, xp))
 
 
 def trust_ratio(xn, un, c_min, c_max, xp=np):

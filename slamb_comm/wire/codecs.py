@@ -1,13 +1,9 @@
-"""Codecs: the fused layout, exact top-k, and the top-k wire layout.
+"""Codecs: exact top-k and the top-k wire layout.
 
 Everything here is pure array code (NumPy or CuPy), with no communication: the
-communicator strings these together with a transport. The masks M_t live in
-:mod:`slamb_comm.wire.masks`.
+communicator strings these together with a transport. The fused layout of the tensors is
+:mod:`slamb_comm.wire.layout`, the masks M_t :mod:`slamb_comm.wire.masks`.
 
-* :class:`Layout`: many tensors viewed as one contiguous fused buffer, with the
-  always-dense rule of docs/algorithm.md section 1 (ndim <= 1 or fewer than
-  ``dense_threshold`` elements). It keeps O(number of tensors) numbers, never an
-  array of positions.
 * :func:`topk_indices`: exact top-k by magnitude; :func:`k_elems` the fixed count
   ``max(1, round(ratio * n))`` per tensor, so an allgather needs no size exchange.
 * :class:`TopKWire`: one rank's top-k payload as one byte buffer
@@ -15,21 +11,17 @@ communicator strings these together with a transport. The masks M_t live in
   aligned, so that every rank's payload in an allgather buffer starts aligned.
 """
 
-import hashlib
 import math
-from typing import NamedTuple
 
 import numpy as np
 
 from .. import arrays as _arr
 from ..device import topk_step as _tk
 from ..arrays import value_dtype
-from ..errors import ConfigError, DTypeError
+from ..errors import ConfigError
+from .layout import per_tensor
 
 __all__ = [
-    "DATA_DTYPES",
-    "Layout",
-    "Shard",
     "check_ratio",
     "k_elems",
     "topk_indices",
@@ -37,10 +29,6 @@ __all__ = [
     "TopK",
     "TopKWire",
 ]
-
-#: dtypes of the arrays slamb_comm exchanges (parameters, gradients, momenta).
-DATA_DTYPES = ("float16", "float32", "float64")
-
 
 def check_ratio(ratio):
     """Return ``ratio`` as a float, or raise ConfigError unless it lies in (0, 1]."""
@@ -58,125 +46,6 @@ def k_elems(ratio, n):
     if n == 0:
         return 0
     return max(1, min(n, int(round(ratio * n))))
-
-
-class Shard(NamedTuple):
-    """Where a rank's piece of a sharded tensor lies: elements ``[start, start + size)`` of the
-    whole tensor of shape ``shape``, in row-major order (FSDP2's ``Shard(0)`` pieces are such runs)."""
-
-    shape: tuple
-    start: int
-
-
-class Layout:
-    """A fixed list of tensors fused into one contiguous 1-D buffer.
-
-    Args:
-        shapes: the tensors' shapes, in exchange order.
-        dtype: the one dtype of the fused buffer (float16, float32 or float64).
-        names: optional names (default ``"0"``, ``"1"``, ...), used in error messages.
-        dense_threshold: tensors with ndim <= 1 or fewer elements than this are always
-            sent whole by masked exchanges (docs/algorithm.md section 1).
-        shards: for sharded tensors (docs/algorithm.md section 15), one :class:`Shard` per
-            tensor: the tensors are pieces of whole tensors, the always-dense rule reads the
-            whole tensors' shapes, and the cyclic mask numbers its units over the whole
-            tensors, so a rank's M_t is the unsharded M_t restricted to its pieces.
-
-    Attributes:
-        sizes, offsets: element counts and start offsets of each tensor in the buffer.
-        total: the buffer's element count.
-        dense: per tensor, whether the always-dense rule applies.
-        shards: the :class:`Shard` of each tensor, or None (whole tensors).
-    """
-
-    def __init__(self, shapes, dtype="float32", names=None, dense_threshold=9000, shards=None):
-        self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        dt = np.dtype(dtype)
-        if dt.name not in DATA_DTYPES:
-            raise DTypeError(f"unsupported array dtype {dt.name}; slamb_comm exchanges {', '.join(DATA_DTYPES)}")
-        self.dtype = dt
-        self.names = [str(n) for n in names] if names is not None else [str(i) for i in range(len(self.shapes))]
-        if len(self.names) != len(self.shapes):
-            raise ConfigError(f"{len(self.names)} names for {len(self.shapes)} tensors")
-        if int(dense_threshold) < 0:
-            raise ConfigError(f"dense_threshold must be >= 0, got {dense_threshold}")
-        self.dense_threshold = int(dense_threshold)
-        self.sizes = [int(math.prod(s)) for s in self.shapes]
-        self.offsets = [0]
-        for n in self.sizes:
-            self.offsets.append(self.offsets[-1] + n)
-        self.total = self.offsets.pop()
-        self.shards = _check_shards(shards, self.sizes, self.names)
-        whole = self.shapes if self.shards is None else [sh.shape for sh in self.shards]
-        self.dense = [len(s) <= 1 or math.prod(s) < self.dense_threshold for s in whole]
-        self.index_dtype = np.dtype(np.int32 if self.total < 2**31 else np.int64)
-        self.compressible = [i for i, d in enumerate(self.dense) if not d and self.sizes[i]]
-
-    @property
-    def dense_index(self):
-        """Positions of the always-dense elements (built on demand: O(total); for tests and inspection)."""
-        parts = [np.arange(o, o + n) for o, n, d in zip(self.offsets, self.sizes, self.dense) if d]
-        return np.concatenate(parts).astype(self.index_dtype) if parts else np.zeros(0, self.index_dtype)
-
-    @property
-    def compressible_index(self):
-        """Positions of the compressible elements (built on demand: O(total); for tests and inspection)."""
-        parts = [np.arange(o, o + n) for o, n, d in zip(self.offsets, self.sizes, self.dense) if not d]
-        return np.concatenate(parts).astype(self.index_dtype) if parts else np.zeros(0, self.index_dtype)
-
-    @classmethod
-    def from_arrays(cls, arrays, names=None, dense_threshold=9000):
-        """The layout of ``arrays`` (all of one dtype)."""
-        arrays = list(arrays)
-        dtypes = {a.dtype.name for a in arrays}
-        if len(dtypes) > 1:
-            raise DTypeError(f"arrays of one fused buffer must share a dtype; got {sorted(dtypes)}")
-        dtype = dtypes.pop() if dtypes else "float32"
-        return cls([a.shape for a in arrays], dtype, names=names, dense_threshold=dense_threshold)
-
-    def __len__(self):
-        return len(self.shapes)
-
-    def __repr__(self):
-        return f"Layout({len(self)} tensors, {self.total} elements, {self.dtype.name}, {sum(self.dense)} always dense)"
-
-    def describe(self, limit=8):
-        """A short human description: tensor names, shapes, dtype."""
-        items = [f"{n}{list(s)}" for n, s in zip(self.names[:limit], self.shapes[:limit])]
-        more = f", ... ({len(self) - limit} more)" if len(self) > limit else ""
-        return f"{len(self)} tensors of {self.dtype.name}, {self.total} elements: {', '.join(items)}{more}"
-
-    def digest(self, *extra):
-        """A 16-byte fingerprint of the layout plus ``extra`` options, for cross-rank checks."""
-        pieces = () if self.shards is None else (self.shards,)  # whole tensors: the digest as before
-        h = hashlib.sha256(repr((self.shapes, self.dtype.name, self.dense_threshold, *pieces, extra)).encode())
-        return h.digest()[:16]
-
-    def views(self, flat):
-        """Per-tensor views (shaped like the tensors) into a fused 1-D buffer."""
-        return [flat[o : o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
-
-    def flat_views(self, flat):
-        """Per-tensor 1-D views into a fused 1-D buffer."""
-        return [flat[o : o + n] for o, n in zip(self.offsets, self.sizes)]
-
-    def segments(self):
-        """``(offset, size)`` of every tensor."""
-        return list(zip(self.offsets, self.sizes))
-
-
-def _check_shards(shards, sizes, names):
-    """``shards`` as a list of :class:`Shard` (or None), each piece inside its whole tensor."""
-    if shards is None:
-        return None
-    shards = [Shard(tuple(int(d) for d in sh[0]), int(sh[1])) for sh in shards]
-    if len(shards) != len(sizes):
-        raise ConfigError(f"{len(shards)} shards for {len(sizes)} tensors")
-    for sh, n, name in zip(shards, sizes, names):
-        if sh.start < 0 or sh.start + n > math.prod(sh.shape):
-            raise ConfigError(f"tensor {name!r}: a piece of {n} elements at {sh.start} does not fit in "
-                              f"its whole tensor of shape {list(sh.shape)}")
-    return shards
 
 
 def topk_indices_reference(x, k):
@@ -545,27 +414,3 @@ class TopKWire:
             a, k = self.starts[i], self.counts[i]
             if k:
                 seg[idx[a : a + k]] += val[a : a + k].astype(seg.dtype, copy=False)
-
-
-def per_tensor(layout, x):
-    """1-D per-tensor arrays of ``x``: views of a fused buffer, flattened items of a list or
-    tuple, or, for any other sequence, its items read lazily one by one (no validation)."""
-    if isinstance(x, (list, tuple)):
-        return [_arr.as_array(a).reshape(-1) for a in x]
-    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
-        return layout.flat_views(_arr.as_array(x))
-    return LazyTensors(x)
-
-
-class LazyTensors:
-    """Per-tensor 1-D arrays of a sequence read lazily: item i is fetched when it is indexed
-    (the torch adapters convert 16-bit parameters one tensor at a time this way)."""
-
-    def __init__(self, seq):
-        self.seq = seq
-
-    def __len__(self):
-        return len(self.seq)
-
-    def __getitem__(self, i):
-        return _arr.as_array(self.seq[i]).reshape(-1)

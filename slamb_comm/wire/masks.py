@@ -355,6 +355,10 @@ class CyclicMask(_Mask):
     def count(self, t, i):
         return self.count_of_chunk(self.chunk(t), i)
 
+    def selects_in(self, i):
+        """Whether tensor ``i`` is compressible here (its units are in the cycle), not always dense."""
+        return i in self._geo
+
     def counts(self, t):
         """|M_t| within every tensor: the same list for every step of one chunk (built once per chunk, so
         that a step's host work does not grow with the tensors; do not change it)."""

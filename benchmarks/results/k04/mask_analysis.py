@@ -10,7 +10,7 @@ import numpy as np
 
 sys.path.insert(0, "examples")
 import common  # noqa: E402
-from slamb_comm.wire.codecs import Layout  # noqa: E402
+from slamb_comm.wire.layout import Layout  # noqa: E402
 from slamb_comm.wire.masks import CyclicMask  # noqa: E402
 
 named = list(common.tiny_transformer().named_parameters())

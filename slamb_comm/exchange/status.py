@@ -1,0 +1,98 @@
+"""The status words every summing exchange carries, and the one host read that decides (docs/algorithm.md
+section 9): :class:`StatusWords`, a part that the :class:`~slamb_comm.exchange.communicator.Communicator` owns.
+
+A rank whose input is bad, or whose values are not finite, puts NaN in its status slot; the sum
+carries it to every rank, so every rank raises alike and nothing changes: the rank with the problem
+its own error, the others :class:`~slamb_comm.errors.PeerError` naming it, or every rank
+:class:`~slamb_comm.errors.NonFiniteError` naming the ranks and the tensors.
+"""
+
+import numpy as np
+
+from .. import arrays as _arr
+from ..errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, collective_error
+
+__all__ = ["StatusWords"]
+
+
+class StatusWords:
+    """The status words of the exchanges of ``layout`` over ``transport`` (see the module docstring)."""
+
+    def __init__(self, layout, transport):
+        self.layout, self.transport = layout, transport
+
+    def _codes(self, code):
+        """Every rank's status code (used only on the failure path)."""
+        mine = np.array([code], dtype=np.int32)
+        everyone = np.zeros(self.transport.size, dtype=np.int32)
+        self.transport.allgather(mine, everyone)
+        return everyone.tolist()
+
+    def reduce_checked(self, buf, problem, local_bad, what, spans=None, whole=True, sent=None, mine=None, present=0,
+                       status_in_buffer=False):
+        """Sum ``buf`` over ranks in place, its last slot being the status word: 0, or NaN from a
+        rank that rejected its input (``problem``, an exception) or found non-finite values of
+        its own (``local_bad``: a bool, a 0-d device array, or a callable returning one, so that
+        nothing is read back before sending). Then one host read decides: if any rank flagged, or (``whole``) any
+        summed value is not finite, every rank raises and the caller must change nothing.
+
+        ``spans``, ``(starts, counts)`` of each tensor's slice of the payload, names the tensors
+        whose sums are not finite; ``sent()``, called on the failure path only, recomputes what
+        this rank sent, to tell whether it was this rank's values that were not finite; and
+        ``mine()``, also on the failure path only, flags per tensor where this rank's values
+        were not finite (the ranks then agree on the union). Every exchange that sums goes
+        through here.
+
+        ``status_in_buffer``: the caller (a device kernel) already wrote the status word(s) into
+        ``buf``; ``local_bad`` is then read only on the failure path.
+
+        ``present``: what a rank that is fine puts in the status word (default 0). With
+        ``whole=False`` the summed status word is returned (its one host read), so a caller
+        that puts a nonzero ``present`` learns how many ranks took part: under Horovod's
+        ``join()`` the ranks that joined contribute zeros.
+        """
+        xp = _arr.namespace(buf)
+        if problem is not None:
+            buf[-1] = np.nan
+        elif status_in_buffer:
+            pass
+        elif isinstance(local_bad, (bool, np.bool_)):
+            buf[-1] = np.nan if local_bad else present
+        else:
+            buf[-1:] = xp.where(local_bad, np.nan, present).astype(buf.dtype)
+        self.transport.allreduce(buf)
+        if whole:
+            word = None
+            ok = bool(xp.isfinite(xp.sum(buf, dtype=np.float64)))  # NaN and Inf survive a sum
+        else:
+            word = float(_arr.to_host(buf[-1:])[0])
+            ok = np.isfinite(word)
+        if ok:
+            return word
+        raise self.failure(buf, problem, local_bad, what, spans, sent, mine)
+
+    def failure(self, buf, problem, local_bad, what, spans=None, sent=None, mine=None):
+        """The error every rank raises after a summed exchange that failed (:meth:`reduce_checked`'s
+        failure path, or a caller that decided on the device and reads the verdict later): who flagged
+        (one small allgather, so every rank calls it for the same exchange) and where the sums in ``buf``
+        are not finite. Host reads are fine here. ``local_bad``: a bool, a 0-d device array, or a callable
+        returning one."""
+        xp = _arr.namespace(buf)
+        if problem is not None:
+            code = STATUS_BAD_INPUT
+        elif bool(local_bad() if callable(local_bad) else local_bad) or (
+                sent is not None and not bool(xp.isfinite(sent()).all())):
+            code = STATUS_NON_FINITE
+        else:
+            code = STATUS_OK
+        codes = self._codes(code)
+        tensors = ()
+        if mine is not None:
+            flags = np.zeros(len(self.layout), np.int32) if problem is not None else np.asarray(mine(), np.int32)
+            self.transport.allreduce(flags)
+            tensors = tuple(n for n, f in zip(self.layout.names, flags) if f)
+        elif spans is not None:
+            bad = _arr.to_host(~xp.isfinite(buf[:-1]))
+            tensors = tuple(self.layout.names[i] for i, (s, c) in enumerate(zip(*spans))
+                            if c and bad[s : s + c].any())
+        return collective_error(codes, problem, what, tensors)
