@@ -148,7 +148,7 @@ def memory_of(arm, layers, width, steps, device):
     """Bytes above the baseline (before the optimizer is built) while ``arm`` is built
     (``build_peak``), at the peak of its ``steps`` steps (``peak_bytes``: state and temporaries)
     and after them (``kept_bytes``); run in a fresh process by :func:`main`."""
-    import torch
+    import torch  # noqa: F401  (imported before the baseline, so its modules are not counted)
 
     params = build_model(layers, width, device)
     n = sum(p.numel() for p in params)

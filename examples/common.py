@@ -74,10 +74,14 @@ def digits_split(seed=0, n_train=1500):
 
 
 # ---------------------------------------------------------------------- models (torch)
-def tiny_transformer(vocab=256, d_model=128, n_layers=2, n_heads=4, context=64, scale=1):
+def tiny_transformer(vocab=256, d_model=128, n_layers=2, n_heads=4, context=64, scale=1, flat_logits=False):
     """A small causal transformer language model (pre-norm, learned positions).
 
-    ``scale`` multiplies the width (for communication-bound benchmarks).
+    ``scale`` multiplies the width (for communication-bound benchmarks). The logits are
+    ``(batch, length, vocab)``; with ``flat_logits=True`` they are one ``(batch * length, vocab)``
+    matrix, the same values: the head's own output rather than a view of it, since ``nn.Linear``
+    on a 3-D input returns a view, and FSDP2 warns about a wrapped module that returns one (an
+    in-place op on it would skip FSDP2's pre-backward hook).
     """
     import torch
     from torch import nn
@@ -98,8 +102,8 @@ def tiny_transformer(vocab=256, d_model=128, n_layers=2, n_heads=4, context=64, 
         def forward(self, idx):
             t = idx.shape[1]
             h = self.embed(idx) + self.pos[:t]
-            h = self.blocks(h, mask=self.causal[:t, :t], is_causal=True)
-            return self.head(self.norm(h))
+            h = self.norm(self.blocks(h, mask=self.causal[:t, :t], is_causal=True))
+            return self.head(h.flatten(0, 1)) if flat_logits else self.head(h)
 
     return TinyLM()
 
@@ -309,8 +313,8 @@ def train(args, model, batch_fn, loss_fn, evaluate, label):
             rows.append(row)
             if me == 0:
                 msg = (f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}  {metric_name} "
-                       f"{metric:.4f}  payload/step {traffic.payload_bytes / 1e3:.1f} kB "
-                       f"({traffic.payload_bytes / (n_params * 4):.1%} of dense)  total {moved / dense_moved:.1%}")
+                       f"{metric:.4f}  sent {traffic.payload_bytes} B, {traffic.ratio:.3f} of dense  "
+                       f"(all steps: {moved / dense_moved:.3f})")
                 (bar.write if bar is not None else print)(msg)
         if step == args.save_at:
             checkpoint.save(args.checkpoint_dir, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,

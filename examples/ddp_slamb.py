@@ -2,7 +2,8 @@
 # (top-k gradients under Adam instead: ... --mode topk)
 """A stock PyTorch DistributedDataParallel script, trained with SLAMB through a DDP comm hook.
 
-Two lines differ from a stock DDP script, marked below. Stock DDP would read:
+Two statements differ from a stock DDP script, marked below, and the log line reads the step's
+bytes. Stock DDP would read:
 
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     # (no communication hook: DDP averages the gradients)
@@ -12,7 +13,7 @@ momentum exchange as soon as the bucket is ready; ``optimizer.step()`` finishes 
 ``--mode topk`` a stock ``torch.optim.Adam`` steps on the mean of the ranks' top-k gradients
 (error feedback keeps the rest). A small MLP regresses a fixed random teacher network on
 synthetic data (each rank draws its own batches); rank 0 logs the loss and the bytes handed
-to the collectives next to what DDP's dense allreduce of the same gradients would move.
+to the collectives against what DDP's dense allreduce of the same gradients would move.
 """
 
 import argparse
@@ -46,7 +47,7 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.
                             torch.nn.Linear(512, 8)).to(device)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 
-# ---- the two lines that differ from stock DDP:
+# ---- the two statements that differ from stock DDP:
 if args.mode == "slamb":
     optimizer = slamb_torch.DistributedOptimizer(slamb_torch.SLAMB(ddp.parameters(), lr=args.lr, ratio=0.1, beta3=0.9),
                                                  named_parameters=model.named_parameters())
@@ -56,8 +57,7 @@ else:
     ddp.register_comm_hook(hook_state := slamb_torch.TopKHookState(model.named_parameters(), slamb_comm.TopK(0.05)),
                            slamb_torch.topk_hook)
 # ----
-stats = optimizer if args.mode == "slamb" else hook_state
-dense = 4 * sum(p.numel() for p in model.parameters())  # DDP's fp32 allreduce payload per step
+stats = optimizer if args.mode == "slamb" else hook_state  # what counts the bytes
 total = slamb_comm.Traffic()
 
 for step in range(1, args.steps + 1):
@@ -68,17 +68,16 @@ for step in range(1, args.steps + 1):
     loss = F.mse_loss(ddp(x), y)
     loss.backward()
     optimizer.step()
-    traffic = stats.step_traffic()  # what this step handed to the collectives
-    total = total + traffic
+    t = stats.step_traffic()  # what this step handed to the collectives, against DDP's dense allreduce
+    total = total + t
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     if rank == 0 and (step % args.log_every == 0 or step == 1):
-        print(f"step {step:4d}  loss {mean_loss.item() / size:.5f}  sent {traffic.payload_bytes / 1e3:8.1f} kB  "
-              f"vs DDP {dense / 1e3:8.1f} kB", flush=True)
+        print(f"step {step:4d}  loss {mean_loss.item() / size:.5f}  sent {t.payload_bytes} B, {t.ratio:.3f} of dense",
+              flush=True)
 
 if rank == 0:
-    sent = total.payload_bytes
-    print(f"ranks {size}: {args.steps} steps ({args.mode}), payload {sent / 1e6:.3f} MB vs DDP's dense allreduce "
-          f"{args.steps * dense / 1e6:.3f} MB: {sent / (args.steps * dense):.1%} of the bytes, "
-          f"{1 - sent / (args.steps * dense):.1%} saved", flush=True)
+    print(f"ranks {size}: {args.steps} steps ({args.mode}), payload {total.payload_bytes / 1e6:.3f} MB vs DDP's dense "
+          f"allreduce {total.dense_payload_bytes / 1e6:.3f} MB: {total.ratio:.1%} of the bytes, "
+          f"{1 - total.ratio:.1%} saved", flush=True)
 dist.destroy_process_group()

@@ -6,11 +6,12 @@ inside a shard group and all-reduces every gradient piece across the replicas, d
 the model is sharded over the mesh's "shard" dimension only, so FSDP2 makes no replica
 allreduce, and :class:`HybridSLAMB` exchanges the momentum of each rank's pieces with their
 replicas sparsely in ``step()``. Three lines differ from a stock HSDP script, marked ``HSDP:``
-below. The model is examples/common.py's small transformer, byte-level on the standard
-library's source; each rank draws its own batches. Rank 0 logs the loss (the mean over ranks)
-and, at the end, the bytes sent across the replicas next to what HSDP's dense replica
-allreduce of the same gradient pieces would send. CPU and gloo by default, CUDA and NCCL when
-there are GPUs. docs/launchers.md section 6 has the recipe.
+below, and the log line reads the step's bytes. The model is examples/common.py's small
+transformer, byte-level on the standard library's source; each rank draws its own batches.
+Rank 0 logs the loss (the mean over ranks) and its own bytes of the step against HSDP's dense
+replica allreduce of its gradient pieces; at the end, every rank's bytes sent across the
+replicas against that dense allreduce. CPU and gloo by default, CUDA and NCCL when there are
+GPUs. docs/launchers.md section 6 has the recipe.
 """
 
 import argparse
@@ -54,7 +55,8 @@ mesh = init_device_mesh(device.type, (R, size // R), mesh_dim_names=("replicate"
 
 torch.manual_seed(0)  # the same model everywhere (HybridSLAMB also broadcasts replica 0's pieces)
 context = 64
-model = common.tiny_transformer(d_model=128, n_layers=2, context=context).to(device)
+# flat_logits: the logits as the head's own (batch * length, vocab) output, not a view of it (FSDP2 warns at views)
+model = common.tiny_transformer(d_model=128, n_layers=2, context=context, flat_logits=True).to(device)
 for block in model.blocks.layers:
     fully_shard(block, mesh=mesh["shard"])  # HSDP: fully_shard(block, mesh=mesh)
 fully_shard(model, mesh=mesh["shard"])  # HSDP: fully_shard(model, mesh=mesh)
@@ -66,16 +68,17 @@ rng = np.random.default_rng([1, rank])  # each rank its own batches
 total = slamb_comm.Traffic()
 for step in range(1, args.steps + 1):
     x, y = (torch.from_numpy(a).to(device) for a in common.lm_batch(train_data, args.batch, context, rng))
-    logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss = F.cross_entropy(model(x), y.reshape(-1))
     opt.zero_grad()
     loss.backward()
     opt.step()
-    total = total + opt.step_traffic()  # this rank's bytes to its replicas, and HSDP's dense allreduce of its pieces
+    t = opt.step_traffic()  # this rank's bytes to its replicas, and HSDP's dense allreduce of its pieces
+    total = total + t
     mean = loss.detach().clone()
     dist.all_reduce(mean)
     if rank == 0 and (step == 1 or step % args.log_every == 0):
-        print(f"step {step:4d}  loss {mean.item() / size:.4f}", flush=True)
+        print(f"step {step:4d}  loss {mean.item() / size:.4f}  sent {t.payload_bytes} B, {t.ratio:.3f} of dense",
+              flush=True)
 
 sent = torch.tensor([total.payload_bytes, total.dense_payload_bytes], dtype=torch.float64, device=device)
 dist.all_reduce(sent)  # over every rank: the pieces differ per rank

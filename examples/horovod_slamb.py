@@ -3,8 +3,8 @@
 # checkpoint and resume:  ... --checkpoint /tmp/ckpt.pt   then   ... --checkpoint /tmp/ckpt.pt --resume
 """A standard Horovod PyTorch training script, trained with SLAMB (or with top-k gradients).
 
-The only line that differs from a stock Horovod script is the optimizer line, marked
-below. Stock Horovod would read:
+The only statement that differs from a stock Horovod script is the optimizer, marked below,
+and the log line reads the step's bytes. Stock Horovod would read:
 
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size()),
@@ -25,7 +25,7 @@ and loads every rank's own state for a bitwise resume.)
 
 A small MLP regresses a fixed random teacher network on synthetic data (each rank draws
 its own batches). Rank 0 logs the loss and the bytes each step handed to the collectives,
-next to what a dense allreduce of the same tensors would have moved.
+against what a dense allreduce of the same tensors would have moved.
 """
 
 import argparse
@@ -62,7 +62,7 @@ model = torch.nn.Sequential(
     torch.nn.Linear(512, 8),
 )
 
-# ---- the one line that differs from stock Horovod:
+# ---- the one statement that differs from stock Horovod:
 if args.mode == "slamb":
     optimizer = slamb_hvd.DistributedOptimizer(slamb_hvd.SLAMB(model.parameters(), lr=args.lr, ratio=0.1, beta3=0.9),
                                                named_parameters=model.named_parameters())
@@ -96,20 +96,21 @@ def get_batch():
 
 
 step = start
+total = slamb_comm.Traffic()
 for step in range(start + 1, start + args.steps + 1):
     x, y = get_batch()
     optimizer.zero_grad()
     loss = F.mse_loss(model(x), y)
     loss.backward()
     optimizer.step()
-    traffic = optimizer.step_traffic()  # what this step moved, from the communicators' statistics
+    t = optimizer.step_traffic()  # what this step handed to the collectives, against a dense allreduce
+    total = total + t
     mean_loss = hvd.allreduce(loss.detach(), name="loss", op=hvd.Average)
     if hvd.rank() == 0 and (step % args.log_every == 0 or step == start + 1):
-        print(f"step {step:4d}  loss {mean_loss.item():.5f}  sent {traffic.payload_bytes / 1e3:8.1f} kB  "
-              f"vs dense {traffic.dense_payload_bytes / 1e3:8.1f} kB  ({traffic.ratio:6.1%})", flush=True)
+        print(f"step {step:4d}  loss {mean_loss.item():.5f}  sent {t.payload_bytes} B, {t.ratio:.3f} of dense",
+              flush=True)
 
 if hvd.rank() == 0:
-    total = sum((c.stats.total for c in optimizer.communicators), slamb_comm.Traffic())
     print(f"ranks {hvd.size()}: {args.steps} steps ({args.mode}), payload {total.payload_bytes / 1e6:.3f} MB "
           f"vs dense {total.dense_payload_bytes / 1e6:.3f} MB ({total.ratio:.1%} of dense)", flush=True)
     if args.checkpoint:

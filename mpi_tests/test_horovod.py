@@ -732,13 +732,15 @@ def test_slamb_alone_uses_no_collectives_and_state_dict_roundtrip():
     train(model, opt, 2, start=4)
     train(model2, opt2, 2, start=4)
     assert np.array_equal(flat_params(model), flat_params(model2))
+    # an invalid option: at construction in one process; in a job of several ranks at the first use of
+    # an optimizer that was not wrapped (a wrapped one raises at construction, on every rank)
     with pytest.raises(slamb_comm.ConfigError):
-        sh.SLAMB(model.parameters(), ratio=0)
+        sh.SLAMB(model.parameters(), ratio=0).step()
     with pytest.raises(slamb_comm.ConfigError):
-        sh.SLAMB(model.parameters(), mask="random")
+        sh.SLAMB(model.parameters(), mask="random").step()
     for bad in (dict(block=0), dict(block=2.5), dict(mask="bernoulli", block=64)):
         with pytest.raises(slamb_comm.ConfigError):
-            sh.SLAMB(model.parameters(), **bad)
+            sh.SLAMB(model.parameters(), **bad).step()
 
 
 @pytest.mark.parametrize("mask", ["bernoulli", "topk"])

@@ -1,7 +1,5 @@
 """SLAMB on flat buffers over MPI, against the dense reference of docs/algorithm.md section 1."""
 
-import os
-
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -99,7 +97,7 @@ def test_ratio_schedule_matches_reference(block):
     synchronised within ceil(1/k) steps; the freshness is derived throughout (none stored)."""
     x, ref, comm, opt, worst = run(0.5, np.float64, steps=34, H=7, block=block, schedule=SCHEDULE)
     assert worst < 1e-9, worst
-    assert opt._f is None and opt._fx == {}
+    assert opt.state.f is None and opt.state.fx == {}
     np.testing.assert_allclose(opt.freshness(), np.concatenate([f.ravel() for f in ref.f]), rtol=1e-12)
     assert comm.ratio == 0.1 and comm.mask.num_chunks == 10
     lay = comm.layout

@@ -12,6 +12,8 @@ TORCH_VERSION=2.13.0
 HOROVOD_VERSION=0.28.1
 CUPY_VERSION=14.2.0
 STEP=""
+# pip run as root (a container, CI) warns on every install; the warning asks nothing of the user here
+export PIP_ROOT_USER_ACTION=ignore
 
 step() { STEP="$1"; echo "[setup] $1"; }
 trap 'echo "[setup] FAILED during: ${STEP}" >&2' ERR
@@ -109,4 +111,6 @@ else
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -c "$PIN" -e "${HERE}[test,horovod]"
 fi
 STEP=""
+# pip run as root (a container, CI) warns on every install; the warning asks nothing of the user here
+export PIP_ROOT_USER_ACTION=ignore
 echo "[setup] done"

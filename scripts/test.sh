@@ -21,7 +21,7 @@ run() {  # run NAME CMD...: report, and treat pytest's rc 5 as a failure
   else echo "=== $name: ok"; fi
 }
 
-run "single-process tests" timeout --kill-after=30 1800 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=15 -m "not slow" tests
+run "single-process tests" timeout --kill-after=30 2700 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=15 -m "not slow" tests
 for np in 1 2 4; do
   run "MPI tests at $np rank(s)" bash scripts/mpirun.sh "$np" 1500 \
     "$PY" -m pytest -q --color=no -p no:cacheprovider --with-mpi -m "not slow" mpi_tests

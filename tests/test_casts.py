@@ -17,7 +17,7 @@ import pytest
 import slamb_comm as sc
 from tests.support import strict_cupy
 from slamb_comm import arrays as A
-from slamb_comm.exchange import communicator as C
+from slamb_comm.exchange import masked as C
 from slamb_comm.methods.slamb import SlambRule
 from slamb_comm.exchange.transports import LocalTransport
 

@@ -1,40 +1,44 @@
-"""Smoke tests: every example runs for a few steps at 2 ranks (the benchmarks: test_benchmarks_smoke.py).
+"""Smoke tests: every example runs for a few steps at 2 ranks, the README's Horovod commands at 4
+(the benchmarks: test_benchmarks_smoke.py; the main job, DDP and FSDP2 examples: test_first_screen.py).
 
 Each is launched as its users launch it (scripts/mpirun.sh wraps mpirun with an outer
-timeout), so a failing rank ends the run instead of hanging it.
+timeout), so a failing rank ends the run instead of hanging it. Every example logs its bytes
+per step the same way (``step N  loss L  sent B B, R of dense``, tests.test_first_screen.STEP);
+the Horovod example's runs here are the README's first-screen commands, checked against the
+lines the README shows under them (tests/test_first_screen.py).
 """
 
 import csv
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.launch import ROOT, mpirun  # noqa: E402
+from tests.support.launch import mpirun  # noqa: E402
+from tests.test_first_screen import STEP, check_against_readme, run_readme_command
 
 
 def test_numpy_slamb_example_runs_and_reports_bytes():
     out = mpirun(2, "examples/numpy_slamb.py", "--steps", "12", "--log-every", "4", "--sync-interval", "5")
     assert "validation loss" in out
-    assert "of dense" in out
+    assert [int(m[1]) for m in map(STEP.match, out.splitlines()) if m] == [1, 4, 8, 12], out
     # 12 steps at ratio 0.1 with syncs after steps 1, 6, 11: well under half of dense LAMB's bytes
     line = next(l for l in out.splitlines() if l.startswith("bytes handed to MPI"))
     frac = float(line.split("->")[1].split("%")[0]) / 100
     assert 0.1 < frac < 0.5, line
 
 
-@pytest.mark.parametrize("optimizer", ["slamb", "lamb", "adam", "sgd", "topk-adam"])
+# slamb: the main job (test_first_screen.py::test_main_job runs scripts/main.sh at 4 ranks)
+@pytest.mark.parametrize("optimizer", ["lamb", "adam", "sgd", "topk-adam"])
 def test_lm_example_each_optimizer(optimizer, tmp_path):
     out_csv = tmp_path / "lm.csv"
     out = mpirun(2, "examples/train_lm.py", "--optimizer", optimizer, "--steps", "4", "--eval-every", "2",
                  "--eval-batches", "1", "--files", "20", "--no-progress", "--csv", str(out_csv))
     assert f"summary: {optimizer} final val loss" in out
+    assert [int(m[1]) for m in map(STEP.match, out.splitlines()) if m] == [2, 4], out
     rows = list(csv.DictReader(open(out_csv)))
     assert [int(r["step"]) for r in rows] == [2, 4]
     frac = float(rows[-1]["bytes_vs_dense"])
-    if optimizer in ("slamb", "topk-adam"):
+    if optimizer == "topk-adam":
         assert frac < 0.6, frac  # sparse: well under dense even with the step-1 parameter sync
     else:
         assert frac == 1.0
@@ -65,11 +69,15 @@ def test_digits_example_slamb_fp16(tmp_path):
     out = mpirun(2, "examples/train_digits.py", "--steps", "6", "--eval-every", "3", "--value-dtype", "float16",
                  "--no-progress")
     assert "summary: slamb final val loss" in out and "accuracy" in out
+    assert [int(m[1]) for m in map(STEP.match, out.splitlines()) if m] == [3, 6], out
 
 
 def test_horovod_slamb_example_under_mpirun():
-    out = mpirun(2, "examples/horovod_slamb.py", "--steps", "6", "--log-every", "3")
-    assert "step    6" in out and "of dense" in out
+    """The README's mpirun command (scripts/mpirun.sh, 4 ranks) at 10 steps: the lines it shows."""
+    command = "bash scripts/mpirun.sh 4 300 python3 examples/horovod_slamb.py"
+    proc = run_readme_command(command, "--steps", "10")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_against_readme(command, proc.stdout, proc.stderr)
 
 
 @pytest.mark.parametrize("mode", ["slamb", "topk"])
@@ -91,19 +99,16 @@ def test_horovod_slamb_example_checkpoint_and_resume(mode, tmp_path):
 
 
 def test_horovod_slamb_example_under_horovodrun():
+    """The README's horovodrun command as written (4 ranks; horovodrun passes mpirun
+    --allow-run-as-root itself) at 10 steps: the lines it shows."""
     import shutil
 
-    horovodrun = shutil.which("horovodrun")
-    if horovodrun is None:
+    if shutil.which("horovodrun") is None:
         pytest.skip("horovodrun is not installed")
-    mpi_args = "--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else "")
-    proc = subprocess.run(
-        ["timeout", "240", horovodrun, "-np", "2", f"--mpi-args={mpi_args}", sys.executable,
-         "examples/horovod_slamb.py", "--steps", "4", "--log-every", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
+    command = "horovodrun -np 4 python examples/horovod_slamb.py"
+    proc = run_readme_command(command, "--steps", "10")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "of dense" in proc.stdout
+    check_against_readme(command, proc.stdout, proc.stderr)
 
 
 def test_lm_example_saves_on_two_ranks_and_resumes_on_one(tmp_path):

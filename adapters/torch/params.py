@@ -67,8 +67,9 @@ def param_changed(p, name, shape, dtype):
         return LayoutError(f"parameter {name!r} changed shape after the optimizer was built: "
                            f"was {shape}, is now {now}")
     if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or state_dtype(p.dtype) != dtype:
-        return LayoutError(f"parameter {name!r} changed dtype after the optimizer was built: "
-                           f"its bucket is {dtype}, it is now {p.dtype} (shape {shape})")
+        return LayoutError(f"parameter {name!r} changed dtype after the optimizer was built: its bucket is {dtype}, "
+                           f"it is now {p.dtype} (shape {shape}); cast the model (model.to(dtype)) before building "
+                           "the optimizer, or build a new optimizer after casting it")
     return None
 
 

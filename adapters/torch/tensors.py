@@ -45,7 +45,8 @@ def state_dtype(dtype):
         return torch.float64
     if dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.float32
-    raise TypeError(f"slamb_comm cannot optimise parameters of dtype {dtype}")
+    raise TypeError(f"slamb_comm cannot optimise parameters of dtype {dtype}: it steps float16, bfloat16, float32 and "
+                    "float64 parameters; leave the others out of the optimizer's parameters (or set requires_grad=False)")
 
 
 def np_dtype(tdtype):

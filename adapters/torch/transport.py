@@ -12,6 +12,7 @@ distributed optimizers' own interface, named asynchronous collectives on tensors
 import atexit
 import datetime
 import os
+import sys
 import time
 
 import torch
@@ -21,7 +22,7 @@ from slamb_comm.exchange.transports import check_alltoall, check_buffer
 
 from .tensors import torch_view
 
-__all__ = ["TorchTransport", "init_process_group", "group_size_rank", "tear_down_gloo_at_exit"]
+__all__ = ["TorchTransport", "init_process_group", "group_size_rank", "tear_down_gloo_at_exit", "multi_rank_job"]
 
 
 _TEARDOWN = []  # one atexit handler per process, registered by the first gloo transport or collectives
@@ -81,6 +82,19 @@ def tear_down_gloo_at_exit(group):
 
     atexit.register(teardown)
     _TEARDOWN.append(teardown)
+
+
+def multi_rank_job():
+    """Whether this process is one of several ranks of a job: torch.distributed initialised with more than one
+    rank, or Horovod (if it was imported) initialised with more than one. An optimizer built here may be wrapped
+    in a distributed one later, so its constructor keeps an invalid option for that one's agreement."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return True
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return hvd is not None and bool(hvd.is_initialized()) and hvd.size() > 1
+    except (AttributeError, ValueError, RuntimeError):  # Horovod not initialised, or of another version
+        return False
 
 
 def group_size_rank(group):

@@ -379,6 +379,12 @@ class DeviceStep:
         e = comm.failure(buf, None, self._bad_here(xp, failed.stamp), _what(t), spans=(plan.pstart[j], plan.counts[j]))
         return self._named(e, xp, failed.stamp) if isinstance(e, NonFiniteError) else e
 
+    def bad_tensors(self, xp):
+        """This rank's tensors whose gradient :meth:`pack` found bad in the step now open (a host read of a small
+        table: for an adapter's failure path, to say which ranks' gradients were bad)."""
+        bad = np.flatnonzero(_arr.to_host(self._tbad(xp)) == _stamp(self.slamb.opened))
+        return [self.slamb.layout.names[i] for i in bad]
+
     def _bad_here(self, xp, stamp):
         """Whether this rank's gradient was bad in the attempt ``stamp`` (the failure path: a host read)."""
         return bool((_arr.to_host(self._tbad(xp)) == stamp).any())

@@ -46,7 +46,7 @@ from ..device import tables as _dev
 from ..wire.layout import take
 from ..wire.stats import Stats
 from .masked import MaskedAllreduce
-from .status import StatusWords
+from .status import TEXT_WORDS, StatusWords, problem_words, rejected_at_construction
 from .sync import DenseSync
 from .topk import TopKExchange
 from .transports import LocalTransport
@@ -86,6 +86,9 @@ class Communicator:
         topk_dense: if True, :meth:`sparse_allgather` sends the always-dense tensors (see
             ``dense_threshold``) whole; by default every tensor sends its top-k, as
             docs/algorithm.md section 2 says.
+        problem: an error the caller found in its own arguments before building (an adapter's
+            invalid option on this rank): this rank still takes part in the construction agreement,
+            then raises it; the other ranks raise PeerError naming this rank and the error's text.
 
     Raises (on every rank, never on one only):
         ConfigError: ratio, mask or threshold out of range or unknown.
@@ -95,13 +98,14 @@ class Communicator:
     """
 
     def __init__(self, transport, arrays, *, names=None, ratio=0.1, mask="cyclic", value_dtype=None, seed=None,
-                 dense_threshold=None, block=1, bucket_bytes=32 << 20, topk_dense=False):
+                 dense_threshold=None, block=1, bucket_bytes=32 << 20, topk_dense=False, problem=None):
         self.transport = transport if transport is not None else LocalTransport()
         self.stats = Stats()
         self._device = {}  # the layout's tiles and tables of addresses on a device (device_tables)
         self.bucket_bytes = int(bucket_bytes)
-        problem = None
         digest = bytes(16)
+        if problem is not None:  # the caller's own error: take part in the agreement, then raise it
+            self._agree(problem, digest)
         try:
             self.ratio = check_ratio(ratio)
             if isinstance(arrays, Layout):
@@ -158,19 +162,21 @@ class Communicator:
     def _agree(self, problem, digest):
         """Collective check at construction: same layout and options everywhere, no local error."""
         t = self.transport
-        mine = np.zeros(4, dtype=np.int64)
+        n = 4 + TEXT_WORDS  # status, digest, total, then the text of this rank's error (if any)
+        mine = np.zeros(n, dtype=np.int64)
         mine[0] = STATUS_OK if problem is None else STATUS_BAD_INPUT
         mine[1:3] = np.frombuffer(digest, dtype=np.int64)
         if problem is None:
             mine[3] = self.layout.total
-        everyone = np.zeros(4 * t.size, dtype=np.int64)
+        mine[4:] = problem_words(problem)
+        everyone = np.zeros(n * t.size, dtype=np.int64)
         t.allgather(mine, everyone)
-        everyone = everyone.reshape(t.size, 4)
+        everyone = everyone.reshape(t.size, n)
         failed = [r for r in range(t.size) if everyone[r, 0] != STATUS_OK]
         if problem is not None:
             raise problem
         if failed:
-            raise PeerError(f"rank(s) {failed} rejected the communicator's arguments (see their error)", failed)
+            raise rejected_at_construction(failed, everyone[:, 4:])
         differ = [r for r in range(t.size) if not np.array_equal(everyone[r, 1:3], everyone[0, 1:3])]
         if differ:
             sizes = {r: int(everyone[r, 3]) for r in range(t.size)}

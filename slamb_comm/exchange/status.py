@@ -10,9 +10,38 @@ its own error, the others :class:`~slamb_comm.errors.PeerError` naming it, or ev
 import numpy as np
 
 from .. import arrays as _arr
-from ..errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, collective_error
+from ..errors import STATUS_BAD_INPUT, STATUS_NON_FINITE, STATUS_OK, PeerError, collective_error
 
-__all__ = ["StatusWords"]
+__all__ = ["StatusWords", "TEXT_WORDS", "problem_words", "problem_text", "rejected_at_construction"]
+
+#: int64 words that carry a rank's error text in a construction agreement (its first 192 bytes of UTF-8)
+TEXT_WORDS = 24
+
+
+def problem_words(problem):
+    """``problem`` (an exception, or None) as :data:`TEXT_WORDS` int64 words, for a construction
+    agreement's allgather: its type and message in UTF-8, cut to fit (zeros for None). So the ranks
+    whose input was fine can say which rank rejected what, and why."""
+    out = np.zeros(TEXT_WORDS, np.int64)
+    if problem is not None:
+        raw = f"{type(problem).__name__}: {problem}".encode()[: out.nbytes]
+        out.view(np.uint8)[: len(raw)] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def problem_text(words):
+    """The text :func:`problem_words` put into ``words`` (a cut multi-byte character is dropped)."""
+    raw = np.ascontiguousarray(words, dtype=np.int64).view(np.uint8).tobytes().rstrip(b"\0")
+    return raw.decode(errors="ignore")
+
+
+def rejected_at_construction(failed, texts):
+    """The PeerError of a rank whose input was fine after a construction agreement in which the ranks
+    ``failed`` rejected theirs: it names them and what each said (``texts``: every rank's
+    :func:`problem_words`)."""
+    why = "; ".join(f"rank {r}: {problem_text(texts[r])}" for r in failed[:4])
+    return PeerError(f"rank(s) {failed} rejected their arguments at construction ({why}); this rank stops too, "
+                     "and nothing was built", failed)
 
 
 class StatusWords:

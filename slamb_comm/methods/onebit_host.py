@@ -22,7 +22,7 @@ class OneBitHostStep:
         self.rule = rule
 
     def warmup(self, xv, gv, lr):
-        """The warm-up (docs/onebit_lamb.md 2.2): LAMB on the mean gradient."""
+        """The warm-up (docs/onebit_lamb.md section 2.2): LAMB on the mean gradient."""
         r = self.rule
         lay, comm = r.layout, r.comm
         dt = lay.dtype.type
@@ -83,7 +83,7 @@ class OneBitHostStep:
         return [rbar / r if r > 0 and rbar > 0 else 1.0 for r in rho]
 
     def compressed(self, xv, gv, lr):
-        """The compression stage (docs/onebit_lamb.md 2.3): the 1-bit exchange of the scaled momentum."""
+        """The compression stage (docs/onebit_lamb.md section 2.3): the 1-bit exchange of the scaled momentum."""
         r = self.rule
         lay, comm = r.layout, r.comm
         dt = lay.dtype.type

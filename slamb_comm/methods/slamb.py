@@ -69,8 +69,9 @@ import numpy as np
 from .. import arrays as _arr
 from ..device import slamb_step as _fused
 from ..errors import ConfigError, NonFiniteError
+from ..wire.layout import views
 from .slamb_state import SlambState
-from .tensorwise import Scratch, TensorwiseExchange, TensorwiseUpdate, _views
+from .tensorwise import Scratch, TensorwiseExchange, TensorwiseUpdate
 
 __all__ = ["SlambRule", "expected_payload", "warn_if_not_sparse"]
 
@@ -332,7 +333,7 @@ class SlambRule:
         else:
             self.begin_step()
             try:
-                gv = _views(self.layout, g)
+                gv = views(self.layout, g)
                 for i in range(len(self.layout)):
                     self.tensorwise.accumulate(i, gv[i])
             except Exception:
@@ -393,17 +394,21 @@ def per_tensor(n, value, name):
 
 
 def _agree(transport, layout, opts):
-    """Collective: ConfigError on every rank, naming the ranks that differ from rank 0, unless every rank
-    has the same options ``opts`` (a dict: lr and weight_decay one value per tensor)."""
-    mine = np.frombuffer(layout.digest(*opts.values()), dtype=np.int64).copy()
-    everyone = np.zeros(2 * transport.size, dtype=np.int64)
+    """Collective: ConfigError on every rank, naming the ranks that differ from rank 0 and the options they
+    differ in, unless every rank has the same options ``opts`` (a dict: lr and weight_decay one value per
+    tensor). One allgather of one word per option."""
+    mine = np.array([np.frombuffer(layout.digest(k, v)[:8], np.int64)[0] for k, v in opts.items()], np.int64)
+    everyone = np.zeros(len(mine) * transport.size, dtype=np.int64)
     transport.allgather(mine, everyone)
-    everyone = everyone.reshape(transport.size, 2)
+    everyone = everyone.reshape(transport.size, len(mine))
     differ = [r for r in range(transport.size) if not np.array_equal(everyone[r], everyone[0])]
     if differ:
-        shown = {k: (v[:3] + ["..."] if isinstance(v, list) and len(v) > 3 else v) for k, v in opts.items()}
-        raise ConfigError(f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0; this is rank "
-                          f"{transport.rank} with " + ", ".join(f"{k}={v!r}" for k, v in shown.items()))
+        names = [k for j, k in enumerate(opts) if any(everyone[r, j] != everyone[0, j] for r in differ)]
+        shown = {k: (v if not isinstance(v, list) else v[0] if len(set(v)) == 1 else v[:3] + ["..."] if len(v) > 3
+                     else v) for k, v in opts.items()}  # one value per tensor: one value where they are alike
+        raise ConfigError(f"SLAMB options differ between ranks: rank(s) {differ} differ from rank 0 in "
+                          f"{', '.join(names)}; this is rank {transport.rank} with "
+                          + ", ".join(f"{k}={shown[k]!r}" for k in names) + "; pass the same options on every rank")
 
 
 def expected_payload(comm, sync_interval):

@@ -16,9 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import arrays as _arr
-from ..wire.layout import per_tensor
+from ..wire.layout import views
 from ..errors import LayoutError, NonFiniteError
-from ..device.tables import Addresses
 from ..wire.masks import BLOCK
 
 __all__ = ["TensorwiseExchange", "TensorwiseUpdate", "Scratch", "trust_ratio"]
@@ -239,7 +238,7 @@ class TensorwiseExchange:
                 self._picks = dict(enumerate(sel.picks))
                 self._counts, self._starts = sel.counts, _starts(sel.counts)
                 self._payload = xp.empty(self._starts[-1] + 1, comm.value_dtype)
-                gv = _views(lay, grads)
+                gv = views(lay, grads)
                 for i, (p, s, c) in enumerate(zip(sel.picks, sel.starts, sel.counts)):
                     o = lay.offsets[i]
                     self._gather(xp, p, self.rule.m[o : o + lay.sizes[i]], gv[i], self._payload[s : s + c])
@@ -310,7 +309,7 @@ class TensorwiseUpdate:
         lay, comm = self.layout, self.comm
         lr = self.rule.lr if lr is None else self.rule.per_tensor(lr, "lr")
         wd = self.rule.weight_decay if weight_decay is None else self.rule.per_tensor(weight_decay, "weight_decay")
-        xv, gv = _views(lay, x), _views(lay, grads)
+        xv, gv = views(lay, x), views(lay, grads)
         means, scale = self.exchange.means(means)
         F = [self.rule.beta3 ** s for s in comm.mask.staleness(t)] if self.rule.derived else None
         sync = (t - 1) % self.rule.sync_interval == 0 and comm.size > 1
@@ -553,21 +552,6 @@ def _starts(counts):
     """Where each tensor's values start in the payload, and its end: ``[0, c0, c0 + c1, ...]`` (host
     integers, no Python-level step per tensor)."""
     return [0] + np.cumsum(np.asarray(counts, np.int64)).tolist()
-
-
-def _views(layout, x):
-    """Per-tensor 1-D arrays of ``x``: a fused buffer, a list of arrays, a lazy sequence, or
-    :class:`~slamb_comm.device.tables.Addresses` (read through the arrays that own them)."""
-    if isinstance(x, Addresses):
-        x = x.owners
-    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
-        flat = _arr.as_array(x)
-        if flat.shape != (layout.total,) or flat.dtype != layout.dtype:
-            raise LayoutError(f"expected a fused buffer of {layout.total} {layout.dtype.name}, "
-                              f"got {flat.shape} {flat.dtype.name}")
-    elif len(x) != len(layout):
-        raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
-    return per_tensor(layout, x)
 
 
 def _sumsq(xp, a):

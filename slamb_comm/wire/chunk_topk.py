@@ -174,7 +174,7 @@ class ChunkTopK:
     def decode(self, buf, dtype):
         """One payload (uint8 [nbytes]) -> ``(positions in the fused buffer, int64 [K]; values [K]
         in dtype)``. Scratch: about ``K (width + 40)`` bytes."""
-        xp, dtype = _arr.namespace(buf), np.dtype(dtype)
+        dtype = np.dtype(dtype)
         fields = unpack_bits(buf[8 + self.scale_bytes : self.nbytes], self.width, self.K)
         codes = fields & np.uint64((1 << self.bits) - 1)
         pos = self.positions((fields >> np.uint64(self.bits)).astype(np.int64))

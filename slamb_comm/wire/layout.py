@@ -93,10 +93,11 @@ class Layout:
         arrays = list(arrays)
         dtypes = [a.dtype.name for a in arrays]
         if len(set(dtypes)) > 1:
-            mixed = ", ".join(f"{n if names is None else names[i]!r} {d}" for i, (n, d) in
-                              enumerate(zip(range(len(dtypes)), dtypes)) if d != dtypes[0])
-            raise DTypeError(f"the arrays of one communicator must share one dtype: array 0 is {dtypes[0]}, but "
-                             f"{mixed}; build one communicator per dtype, or cast the arrays to one dtype first")
+            label = [f"array {i}" if names is None else f"array {i} ({names[i]!r})" for i in range(len(dtypes))]
+            mixed = ", ".join(f"{label[i]} is {d}" for i, d in enumerate(dtypes) if d != dtypes[0])
+            raise DTypeError(f"the arrays of one communicator must share one dtype: you passed {len(dtypes)} arrays, "
+                             f"{label[0]} is {dtypes[0]} but {mixed}; build one communicator per dtype, or cast "
+                             "the arrays to one dtype first (e.g. [a.astype('float32') for a in arrays])")
         dtype = dtypes.pop() if dtypes else "float32"
         return cls([a.shape for a in arrays], dtype, names=names, dense_threshold=dense_threshold)
 
@@ -143,6 +144,21 @@ def _check_shards(shards, sizes, names):
             raise ConfigError(f"tensor {name!r}: a piece of {n} elements at {sh.start} does not fit in "
                               f"its whole tensor of shape {list(sh.shape)}")
     return shards
+
+
+def views(layout, x):
+    """Per-tensor 1-D arrays of ``x``, checked against ``layout``: a fused buffer, a list of arrays, a
+    lazy sequence, or device addresses (:class:`~slamb_comm.device.tables.Addresses`, read through
+    the arrays that own them: its ``owners``)."""
+    x = getattr(x, "owners", x)
+    if hasattr(x, "shape") or hasattr(x, "__dlpack__"):
+        flat = _arr.as_array(x)
+        if flat.shape != (layout.total,) or flat.dtype != layout.dtype:
+            raise LayoutError(f"expected a fused buffer of {layout.total} {layout.dtype.name}, "
+                              f"got {flat.shape} {flat.dtype.name}")
+    elif len(x) != len(layout):
+        raise LayoutError(f"got {len(x)} arrays, expected {len(layout)}")
+    return per_tensor(layout, x)
 
 
 def per_tensor(layout, x):
@@ -204,9 +220,11 @@ def _check(a, what, lay, shape):
     if tuple(a.shape) != tuple(shape):
         raise LayoutError(f"{what} has shape {tuple(a.shape)}, expected {tuple(shape)}")
     if a.dtype.name not in DATA_DTYPES:
-        raise DTypeError(f"{what} has unsupported dtype {a.dtype.name}; expected {lay.dtype.name}")
+        raise DTypeError(f"{what} has unsupported dtype {a.dtype.name}; expected {lay.dtype.name}, the dtype it was "
+                         f"built for: cast it (a.astype('{lay.dtype.name}'))")
     if a.dtype != lay.dtype:
-        raise LayoutError(f"{what} has dtype {a.dtype.name}, expected {lay.dtype.name}")
+        raise LayoutError(f"{what} has dtype {a.dtype.name}, expected {lay.dtype.name}, the dtype it was built for: "
+                          f"cast it (a.astype('{lay.dtype.name}')), or build another on {a.dtype.name} arrays")
     if not a.flags.c_contiguous:
         raise NonContiguousError(f"{what} is not C-contiguous")
 

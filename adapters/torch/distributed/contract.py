@@ -18,13 +18,13 @@ from typing import NamedTuple
 
 import torch
 
-from slamb_comm.errors import LayoutError, PeerError
+from slamb_comm.errors import LayoutError, NonFiniteError, PeerError
 
 from ...privates import foreach_norm, queue_autograd_callback, version_of
 from .ddp_misuse import check_ddp_first_step
 
 __all__ = ["TOO_MANY", "ZERO_GRAD", "STEP_AFTER_SYNC", "Contract", "make_contract", "DistributedMixin", "Flag",
-           "GradientNotes", "grad_norms", "queue_callback"]
+           "GradientNotes", "grad_norms", "queue_callback", "flagged_ranks", "nonfinite_error"]
 
 TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
             "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -85,6 +85,8 @@ class Contract:
         self.flag_name = f"slamb_comm.trainable.{next(_OPTIMIZERS)}"
         self.agreements = itertools.count()  # numbers the agreement's collectives (Horovod matches names)
         self._ddp_checked = False
+        #: what the last :meth:`agree_finite` found: the ranks whose gradients were not finite, and the tensors
+        self.nonfinite = ([], [])
 
     def rebind(self, coll, tag):
         """Use ``coll`` from now on (an elastic job changed size), naming the collectives by ``tag``
@@ -247,25 +249,31 @@ class Contract:
 
     # ------------------------------------------------------------------ agreement
     def agree_finite(self, params, norms=None):
-        """One collective: which gradients of ``params`` hold a NaN or Inf on some rank. Each such
-        gradient becomes NaN on every rank (as Horovod's averaged gradient would), so that every
-        rank's AMP ``GradScaler`` -- or any finiteness check -- sees the same and skips the step
-        alike; returns whether there was any. ``norms``: this rank's :func:`grad_norms` of
-        ``params`` if the caller has them (a norm is finite only if the gradient is). One
-        allreduce of one int32 per parameter and one host read."""
+        """One collective: which gradients of ``params`` hold a NaN or Inf on some rank, and on which
+        ranks. Each such gradient becomes NaN on every rank (as Horovod's averaged gradient would), so
+        that every rank's AMP ``GradScaler`` -- or any finiteness check -- sees the same and skips the
+        step alike; returns the ranks whose gradients were not finite ([] when none), which
+        :attr:`nonfinite` keeps with the tensors' names. ``norms``: this rank's :func:`grad_norms` of
+        ``params`` if the caller has them (a norm is finite only if the gradient is). One allreduce of
+        one int32 per parameter and one bit per rank, and one host read."""
         have = [i for i, p in enumerate(params) if p.grad is not None]
-        bad = torch.zeros(len(params), dtype=torch.int32, device=self.coll.device)
+        n, coll = len(params), self.coll
+        bad = torch.zeros(n + (coll.size + 30) // 31, dtype=torch.int32, device=coll.device)
         if have:
             norms = grad_norms(params, float("inf")) if norms is None else norms
-            bad[torch.tensor(have, device=bad.device)] = (~torch.isfinite(norms)).to(device=bad.device,
-                                                                                     dtype=torch.int32)
-        self.coll.allreduce(bad, f"slamb_comm.finite.{next(self.agreements)}")
-        which = bad.nonzero().reshape(-1).tolist()  # the one host read
+            flags = (~torch.isfinite(norms)).to(device=bad.device, dtype=torch.int32)
+            bad[torch.tensor(have, device=bad.device)] = flags
+            bad[n + coll.rank // 31] = flags.max() << (coll.rank % 31)  # this rank's bit (distinct bits sum to an OR)
+        coll.allreduce(bad, f"slamb_comm.finite.{next(self.agreements)}")
+        words = bad.tolist()  # the one host read
+        which = [i for i in range(n) if words[i]]
+        ranks = [r for r in range(coll.size) if words[n + r // 31] >> (r % 31) & 1]
+        self.nonfinite = (ranks, [self.names.get(id(params[i]), "?") for i in which])
         with torch.no_grad():
             for i in which:
                 if params[i].grad is not None:
                     params[i].grad.fill_(float("nan"))
-        return bool(which)
+        return ranks
 
     def agree_step(self):
         """The agreement of the 1-bit LAMB and top-k optimizers, once per step, before the gradients
@@ -320,6 +328,22 @@ class DistributedMixin:
 def queue_callback(fn):
     """Have ``fn()`` run when the running backward pass ends (RuntimeError outside one)."""
     queue_autograd_callback(fn)  # autograd's own queue, as DDP's reducer uses it
+
+
+def flagged_ranks(coll, mine, name):
+    """The ranks of ``coll`` that say ``mine`` (one allgather of one int32, under ``name``: for a failure
+    path that every rank takes alike)."""
+    flag = torch.tensor([int(bool(mine))], dtype=torch.int32, device=coll.device)
+    return [r for r, c in enumerate(coll.allgather(flag, name).tolist()) if c]
+
+
+def nonfinite_error(what, ranks, names, tail):
+    """The NonFiniteError of a step that non-finite values stopped on every rank, naming the ``ranks`` whose
+    own values were not (none: the sum over the ranks overflowed) and the tensors ``names``; ``tail`` says
+    what was done about it."""
+    where = f" in {list(names)[:5]}" if names else ""
+    src = f"from rank(s) {list(ranks)}" if ranks else "in the sum over the ranks (no rank's own values were)"
+    return NonFiniteError(f"{what}: non-finite values (NaN/Inf) {src}{where}; {tail}", ranks, names)
 
 
 def grad_norms(params, ord=2):

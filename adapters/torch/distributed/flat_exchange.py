@@ -17,6 +17,8 @@ parameters are not all viewed in its flat buffer (16-bit or non-contiguous param
 from ``step()`` instead.
 """
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -27,6 +29,7 @@ from slamb_comm.device.slamb_step import applies
 
 from .. import tensors
 from ..tensors import cuda_scope
+from .contract import flagged_ranks, nonfinite_error
 
 __all__ = ["FlatExchange", "runs_on_device"]
 
@@ -64,6 +67,9 @@ class FlatExchange:
         #: a rank changed its gradients after a packed exchange (a recipe between backward() and step()):
         #: exchange from step() until a step where no rank does, as the tensor-by-tensor hooks do
         self.deferred = False
+        #: after a check that failed: the ranks whose own gradients were not finite (every rank alike)
+        self.ranks = []
+        self._numbers = itertools.count()  # numbers the failure path's collectives (Horovod matches names)
 
     def regroup(self, engines, ddp_groups):
         """The grouping of the next step's exchange: per bucket of SLAMB that the device kernels step,
@@ -148,6 +154,12 @@ class FlatExchange:
                 self.coll.wait(h)
             bad += self._check(st)
         self.finished = not bad
+        if bad:  # which ranks: one more collective, on this failure path only
+            mine = False
+            for st in self.open.values():
+                with cuda_scope(st.e.params[0].device):
+                    mine = mine or bool(st.e.rule.device.bad_tensors(st.e.rule.xp))
+            self.ranks = flagged_ranks(self.coll, mine, f"slamb_comm.flat.nonfinite.{next(self._numbers)}")
         return bad
 
     def runs(self, engines):
@@ -169,9 +181,8 @@ class FlatExchange:
                 bad = self.finish(engines, everything=True)
                 if bad:
                     self.abandon()
-                    return NonFiniteError(
-                        f"SLAMB momentum exchange at step(): non-finite values (NaN/Inf) from some rank in {bad[:5]}; "
-                        "the step is skipped on every rank, with no state changed", (), bad)
+                    return nonfinite_error("SLAMB momentum exchange at step()", self.ranks, bad,
+                                           "the step is skipped on every rank, with no state changed")
             if self.finished:
                 for e in engines:
                     self.apply(e, *lr_wd(e))

@@ -34,10 +34,12 @@ class Finished(NamedTuple):
     """What :meth:`HookExchange.finish` found, the same on every rank: ``changed`` (None; True: a
     rank's parameter or option changed, seen in its NaN status; or the LayoutError/PeerError the
     core raised), and ``bad``: the (bucket, parameter) pairs whose exchange was not finite on some
-    rank (empty: the step goes)."""
+    rank (empty: the step goes); and, this rank's own, ``mine``: whether its gradients were not
+    finite (read on the failure path only)."""
 
     changed: object
     bad: list
+    mine: bool = False
 
 
 class _HookStep:
@@ -45,11 +47,16 @@ class _HookStep:
     launched per parameter, the bytes and encoding time, then the means and the tensors no rank
     had a gradient for."""
 
-    __slots__ = ("counts", "launched", "payload", "encode_s", "means", "skip")
+    __slots__ = ("counts", "launched", "payload", "encode_s", "means", "skip", "bad")
 
     def __init__(self, counts):
         self.counts, self.launched, self.payload, self.encode_s = counts, {}, 0, 0.0
         self.means, self.skip = None, set()
+        self.bad = []  # per launch, whether this rank's gradient was bad (a bool, or a 0-d device array: not read)
+
+    def bad_here(self):
+        """Whether a gradient this rank launched was bad (host reads: the failure path only)."""
+        return any(bool(b) for b in self.bad)
 
 
 class HookExchange:
@@ -84,7 +91,7 @@ class HookExchange:
         if st.counts is None:  # topk mask: pick now, exchange fused after every gradient is in
             if problem is None:
                 with cuda_scope(p.device):
-                    e.rule.tensorwise.accumulate(i, g)
+                    st.bad.append(e.rule.tensorwise.accumulate(i, g))
             st.launched[p] = None
             return
         buf = torch.empty(st.counts[i] + 1, dtype=torch_dtype(e.comm.value_dtype), device=p.device)
@@ -94,6 +101,7 @@ class HookExchange:
             fine = -1.0 if p.grad is None else 0.0
             with cuda_scope(p.device):
                 bad = e.rule.tensorwise.accumulate(i, g, out=_arr.as_array(buf)[:-1])  # this rank's new momentum on M_t
+            st.bad.append(bad)
             if isinstance(bad, (bool, np.bool_)):
                 buf[-1] = math.inf if bad else fine
             else:
@@ -108,7 +116,7 @@ class HookExchange:
     def relaunch(self):
         """Forget what was launched (after :meth:`finish`), to launch every tensor again (a redo)."""
         for st in self._open.values():
-            st.launched, st.payload = {}, 0
+            st.launched, st.payload, st.bad = {}, 0, []
 
     def finish(self, engines, problem):
         """Wait for every launched exchange and check it (one host read); keep the means. The
@@ -117,7 +125,7 @@ class HookExchange:
         t1 = time.perf_counter()
         results = [(e, p, self.coll.wait(h)) for e, st in self._open.items() if st.counts is not None
                    for p, (h, _) in st.launched.items()]
-        changed, failed = self._topk_buckets(engines, problem)
+        changed, failed, mine = self._topk_buckets(engines, problem)
         t2 = time.perf_counter()
         absent = -1.0 + 0.5 / self.coll.size  # an averaged status at most this: no rank had a gradient
         finite, gone = True, []
@@ -130,7 +138,7 @@ class HookExchange:
             changed = True
         bad += [(e, p) for e in failed for p in e.params]
         if changed is not None or bad:
-            return Finished(changed, bad)
+            return Finished(changed, bad, bool(bad) and (mine or any(st.bad_here() for st in self._open.values())))
         for (e, p, out), nobody in zip(results, gone):
             st = self._open[e]
             if nobody:
@@ -144,8 +152,8 @@ class HookExchange:
     def _topk_buckets(self, engines, problem):
         """The topk mask's buckets: which parameters have a gradient on some rank (every rank takes
         part), then the core's fused exchange. Returns (the LayoutError/PeerError raised on every
-        rank, or None; the buckets whose exchange was not finite)."""
-        failed = []
+        rank, or None; the buckets whose exchange was not finite; whether this rank's gradients there were)."""
+        failed, mine = [], False
         for e in engines:
             st = self._open.get(e)
             if st is None or st.counts is not None:
@@ -162,11 +170,11 @@ class HookExchange:
                     else:
                         e.rule.tensorwise.exchange(Grads(e))
             except NonFiniteError:  # raised on every rank; the core abandoned the step
-                del self._open[e]
+                mine = mine or self._open.pop(e).bad_here()
                 failed.append(e)
             except (LayoutError, PeerError) as err:  # also raised on every rank
-                return err, failed
-        return None, failed
+                return err, failed, mine
+        return None, failed, mine
 
     def _record(self, t1, t2):
         t3 = time.perf_counter()

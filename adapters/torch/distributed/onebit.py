@@ -87,7 +87,9 @@ class DistributedOneBit(DistributedMixin):
         if differ:
             raise ConfigError(f"OneBitLAMB: rank(s) {differ} differ from rank 0 in the options, lr or step count of a "
                               "bucket; set them alike on every rank (nothing was changed)")
-        self._plan = ([r for r, w in enumerate(rows) if w[1]], [any(w[2 + b] for w in rows) for b in range(k)])
+        # the ranks whose gradients were not finite: the agreement's (it made every rank's NaN since), else the rows'
+        nonfinite = c.nonfinite[0] or [r for r, w in enumerate(rows) if w[1]]
+        self._plan = (nonfinite, [any(w[2 + b] for w in rows) for b in range(k)])
         c.synchronized = True
 
     @torch.no_grad()

@@ -45,7 +45,7 @@ def wrap(optimizer, names, compression, backward_passes_per_step, coll, sum_op=F
     cls = type(user_cls.__name__, (mixin, user_cls), attrs)
     dist_opt = cls(optimizer.param_groups, names, compression, backward_passes_per_step, coll, sum_op,
                    gradient_predivide_factor, **extra)
-    if (slamb or onebit) and optimizer.steps_taken() > 0:
+    if (slamb or onebit) and optimizer.problem is None and optimizer.steps_taken() > 0:
         dist_opt.load_state_dict(optimizer.state_dict())  # keep what the optimizer had (e.g. a loaded checkpoint)
     return dist_opt
 

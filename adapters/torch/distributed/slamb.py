@@ -12,13 +12,13 @@ import warnings
 
 import torch
 
-from slamb_comm.errors import NonFiniteError
-
 from ..params import run_closure
-from .contract import STEP_AFTER_SYNC, DistributedMixin, grad_norms, make_contract, queue_callback
+from .contract import STEP_AFTER_SYNC, DistributedMixin, grad_norms, make_contract, nonfinite_error, queue_callback
 from .slamb_exchange import SlambExchange
 
 __all__ = ["DistributedSlamb"]
+
+_SKIPPED = "every rank's gradients were set to NaN and the step is skipped on every rank, with no state changed"
 
 
 class DistributedSlamb(DistributedMixin):
@@ -153,20 +153,15 @@ class DistributedSlamb(DistributedMixin):
         flat = x.flat.finish(self.buckets) if not x.in_hooks else None
         if flat:  # the device exchange packed from DDP's hooks was not finite on some rank
             x.flat.poison()
-            x.nonfinite = NonFiniteError(
-                f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {flat[:5]}; every rank's "
-                "gradients were set to NaN and the step is skipped on every rank, with no state changed", (), flat)
+            x.nonfinite = nonfinite_error("SLAMB momentum exchange", x.flat.ranks, flat, _SKIPPED)
         elif x.in_hooks:
             x.launch_missing()  # a parameter without a gradient takes part with zeros (its status says so)
             x.finish()
         elif flat is None:
             norms = grad_norms(c.params)  # L2: overflows where v would (a bad gradient)
             if c.agree_finite(c.params, norms):
-                names = [self.names.get(id(p), "?") for p in c.params]
                 x.abort()
-                x.nonfinite = NonFiniteError(
-                    "SLAMB: a non-finite gradient (NaN/Inf) on some rank; every rank's gradients were set to NaN "
-                    "and the step is skipped on every rank, with no state changed", (), names)
+                x.nonfinite = nonfinite_error("SLAMB", *c.nonfinite, _SKIPPED)
         x.notes.take(c.params, norms)
         if x.flat_mode():
             x.flat.regroup(self.buckets, x.ddp_groups if self._ddp else {})

@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from slamb_comm.errors import ConfigError, NonFiniteError, PeerError
+from slamb_comm.errors import ConfigError, PeerError
 
 from ..optim.slamb_options import requested_ratio
 from ..params import param_changed, params_changed
 from ..tensors import grad_array
-from .contract import GradientNotes
+from .contract import GradientNotes, flagged_ranks, nonfinite_error
 from .flat_exchange import FlatExchange
 from .hook_exchange import HookExchange
 
@@ -218,16 +218,16 @@ class SlambExchange:
         fin = self.hooks.finish(self.opt.buckets, self.problem)
         if fin.changed is not None:
             self.raise_changed(None if fin.changed is True else fin.changed)
-        if fin.bad:
+        if fin.bad:  # which ranks: one more collective, on this failure path only
             names = [e.names[e.index[p]] for e, p in fin.bad]
+            ranks = flagged_ranks(self.contract.coll, fin.mine, f"slamb_comm.nonfinite.{next(self._numbers)}")
             self.abort()
             with torch.no_grad():
                 for _, p in fin.bad:
                     if p.grad is not None:
                         p.grad.fill_(float("nan"))
-            self.nonfinite = NonFiniteError(
-                f"SLAMB momentum exchange: non-finite values (NaN/Inf) from some rank in {names[:5]}; "
-                "the step was abandoned on every rank and no state was changed", (), names)
+            self.nonfinite = nonfinite_error("SLAMB momentum exchange", ranks, names,
+                                             "the step was abandoned on every rank and no state was changed")
 
     def raise_changed(self, peer_err):
         """On every rank alike: abandon the step; this rank's error (LayoutError: a parameter
@@ -236,10 +236,7 @@ class SlambExchange:
         problem = self.problem
         self.abort()
         if peer_err is None:  # which ranks: one more collective, on this failure path only
-            coll = self.contract.coll
-            flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=coll.device)
-            codes = coll.allgather(flag, f"slamb_comm.changed.{next(self._numbers)}")
-            ranks = [r for r, c in enumerate(codes.tolist()) if c]
+            ranks = flagged_ranks(self.contract.coll, problem is not None, f"slamb_comm.changed.{next(self._numbers)}")
             peer_err = PeerError(f"SLAMB momentum exchange: rank(s) {ranks} have a parameter or an option that "
                                  "changed after the optimizer was built (see their error); the step was abandoned "
                                  "on every rank and nothing was changed", ranks)

@@ -18,7 +18,7 @@ from ...privates import scaler_stage
 from ..optim.bucket import Bucket, BucketKey
 from ..optim.ledger import StepLedger
 from ..params import param_changed, params_changed, run_closure
-from .contract import STEP_AFTER_SYNC, DistributedMixin, make_contract
+from .contract import STEP_AFTER_SYNC, DistributedMixin, make_contract, nonfinite_error
 from ..tensors import as_compute, cuda_scope, state_dtype, tensor_of
 
 __all__ = ["DistributedTopK", "amp_scale", "loss_scaled"]
@@ -167,10 +167,12 @@ class DistributedTopK(DistributedMixin):
             self.contract.reset_countdown()
             if problem is not None:
                 raise problem from None
+            if isinstance(err, NonFiniteError) and self.contract.nonfinite[0]:  # the agreement made every rank's NaN
+                err = nonfinite_error("top-k exchange", *self.contract.nonfinite, "nothing was changed")
             if isinstance(err, NonFiniteError) and self._compression.on_nonfinite == "skip":
                 self._skip_nonfinite(err)
                 return
-            raise
+            raise err
         for ps, (comm, _, _) in zip((b.params for b in self._buckets), means):
             with cuda_scope(ps[0].device):  # from the local gradients, still in p.grad
                 comm.commit_residual(skip={i for i, p in enumerate(ps) if p in nowhere})

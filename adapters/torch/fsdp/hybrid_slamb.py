@@ -37,6 +37,7 @@ import torch.distributed as dist
 from slamb_comm.errors import ConfigError
 from slamb_comm.wire.stats import Traffic, allreduce_wire
 
+from ..distributed.contract import nonfinite_error
 from ..optim.slamb import SLAMB
 from ..params import run_closure
 from .mesh import BackwardWatch, MeshSharding
@@ -85,8 +86,10 @@ class HybridSLAMB(SLAMB):
         self.overlap = FsdpOverlap(model, sharding, OptimizerSide(lambda: self.ready_buckets, lambda e: e.lr_wd(), self.publish),
                                    enabled=overlap)
         self.watch = BackwardWatch(model, sharding, flat, after=self.overlap.end_of_backward)
-        super().__init__(params, *args, transport=sharding.replicas, names=names, sharding=sharding,
+        super().__init__(params, *args, transport=sharding.replicas, names=names, sharding=sharding, build=False,
                          **kwargs)
+        sharding.agree_problem(self.problem)  # an invalid option on some rank: an error on every rank of the mesh
+        self.rebuild_buckets()
         self.overlap.ready(self.ready_buckets)
 
     @torch.no_grad()
@@ -100,6 +103,7 @@ class HybridSLAMB(SLAMB):
         :mod:`.overlap`)."""
         loss = run_closure(closure)
         self.watch.agree()  # a reduce-scatter outside a backward pass (rare): its decision now
+        nonfinite, self.watch.ranks = self.watch.ranks, []  # the ranks whose gradients were not: every rank alike
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         word = self.overlap.conclude(self.ready_buckets, self.state)  # None: no overlap, no word
         agreed = torch.tensor([float(p.grad is not None) for p in params] + ([] if word is None else [float(word)]),
@@ -113,13 +117,25 @@ class HybridSLAMB(SLAMB):
             if p.grad is None and have[p]:
                 p.grad = torch.zeros_like(p)
         self._count_control(agreed.numel() * agreed.element_size())
-        if self.overlap.decide(word is not None and counts[-1] > 0):
+        if self.overlap.decide(word is not None and counts[-1] > 0) and not nonfinite:
             self.overlap.apply(have)
         else:
             self.overlap.abandon()
-            super().step()
+            if nonfinite:  # every rank's pieces are NaN now: the step is skipped here, naming the ranks
+                self._skip_nonfinite(nonfinite)
+            else:
+                super().step()
         self.overlap.ready(self.ready_buckets)
         return loss
+
+    def _skip_nonfinite(self, ranks):
+        """The step that the agreement at the end of the backward pass found not finite on ``ranks`` (global),
+        skipped on every rank alike (logged and counted), or raised with ``on_nonfinite='raise'``."""
+        err = nonfinite_error(type(self).__name__, ranks, [], "every rank's gradient pieces were set to NaN and the "
+                              "step is skipped on every rank, with no state changed")
+        if any(e.rule.on_nonfinite == "raise" for e in self.buckets):
+            raise err
+        self.ledger.skip(err)
 
     def _count_control(self, nbytes):
         """The step's small agreements across the replicas (which gradients exist; the end-of-backward

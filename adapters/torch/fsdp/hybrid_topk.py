@@ -44,12 +44,13 @@ from ..params import run_closure
 from ..tensors import as_compute, cuda_scope, local_of, state_dtype, tensor_of
 from ..optim.bucket import Bucket, BucketKey
 from ..optim.ledger import StepLedger
-from .mesh import mesh_pieces
+from ..distributed.contract import nonfinite_error
+from .mesh import mesh_pieces, rank_bits, ranks_of_bits
 
 __all__ = ["HybridTopK"]
 
 
-# the verdicts of one step's exchange, agreed over the shard group (the largest wins)
+# the verdicts of one step's exchange, agreed over the shard group (the worst wins)
 _OK, _NON_FINITE, _FAILED = 0, 1, 2
 
 
@@ -163,21 +164,16 @@ class HybridTopK(torch.optim.Optimizer):
                     means.append(b.comm.sparse_allgather(grads, commit=False))
         except Exception as e:  # on every rank of this replica group alike
             err = e
-        verdict = _OK if err is None else _NON_FINITE if isinstance(err, NonFiniteError) else _FAILED
-        flag = torch.tensor([float(verdict)], dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._sharding.pieces_group)
-        verdict = int(flag.item())
+        verdict, ranks = self._agree_verdict(err)
         if verdict == _FAILED:
             if err is not None and not isinstance(err, NonFiniteError):
                 raise err
             raise PeerError("the top-k exchange failed in another replica group of this mesh (see its ranks' "
                             "error); nothing changed")
         if verdict == _NON_FINITE:
+            err = nonfinite_error("HybridTopK's top-k exchange", ranks, [], "nothing was changed")
             if self._compression.on_nonfinite == "raise":
-                if err is not None:
-                    raise err
-                raise NonFiniteError("non-finite gradients (NaN/Inf) in another replica group of this mesh: its "
-                                     "exchange failed; nothing changed")
+                raise err
             self._skip(err)
             self._synchronized = True
             return False
@@ -192,6 +188,19 @@ class HybridTopK(torch.optim.Optimizer):
                 g.copy_(tensor_of(m).view(g.shape).to(g.dtype))
         self._synchronized = self._step_ok = True
         return True
+
+    def _agree_verdict(self, err):
+        """Over the shard group: the step's verdict (the worst of its replica groups': :data:`_FAILED`, then
+        :data:`_NON_FINITE`) and the global ranks whose gradients were not finite, from this replica group's
+        exchange error ``err``. One allreduce of a few floats (each replica group counted once)."""
+        sh = self._sharding
+        bad = err.ranks if isinstance(err, NonFiniteError) else ()
+        counts = torch.tensor([float(err is not None and not isinstance(err, NonFiniteError)),
+                               float(isinstance(err, NonFiniteError))], dtype=torch.float64)
+        word = torch.cat([counts, rank_bits([sh.global_rank(r) for r in bad], dist.get_world_size())])
+        dist.all_reduce(word, group=sh.pieces_group)
+        verdict = _FAILED if word[0] > 0 else _NON_FINITE if word[1] > 0 else _OK
+        return verdict, ranks_of_bits(word[2:])
 
     def _skip(self, err):
         """On every rank alike: NaN gradients (so an AMP GradScaler would skip too), no inner step."""

@@ -16,12 +16,27 @@ import torch.distributed as dist
 
 from slamb_comm.wire.layout import Shard
 from slamb_comm.errors import ConfigError
+from slamb_comm.exchange.status import problem_words, rejected_at_construction
 
 from ..distributed.contract import queue_callback
 from ..transport import TorchTransport
 from ..tensors import is_dtensor, local_of
 
-__all__ = ["Piece", "MeshSharding", "mesh_pieces", "BackwardWatch"]
+__all__ = ["Piece", "MeshSharding", "mesh_pieces", "BackwardWatch", "rank_bits", "ranks_of_bits"]
+
+
+def rank_bits(ranks, world):
+    """``ranks`` (global ranks of a ``world`` of that many) as float64 words of 31 bits each: summed over
+    groups that count each rank once, distinct bits add up to their OR (exact in a float64)."""
+    words = torch.zeros((world + 30) // 31, dtype=torch.float64)
+    for r in ranks:
+        words[r // 31] += float(1 << (r % 31))
+    return words
+
+
+def ranks_of_bits(words):
+    """The ranks whose bits :func:`rank_bits` words (summed) hold."""
+    return [31 * i + b for i, w in enumerate(words.tolist()) for b in range(31) if int(w) >> b & 1]
 
 
 class Piece(NamedTuple):
@@ -86,6 +101,29 @@ class MeshSharding:
             inner *= d
         return Piece(local, Shard(shape, start_row * inner))
 
+    def global_rank(self, r):
+        """The global rank of rank ``r`` of this rank's replica group."""
+        return dist.get_global_rank(self.replicas_group, r)
+
+    def agree_problem(self, problem):
+        """Collective over the whole mesh, at construction: if some rank has a ``problem`` (its invalid option,
+        kept by the constructor), that rank raises it and every other rank PeerError naming it (the highest
+        such rank) and its error. Two allreduces of one word (its replicas, then its pieces), two more of the
+        error's text where some rank has one."""
+        me = dist.get_rank()
+        word = torch.tensor([me + 1 if problem is not None else 0], dtype=torch.int64)
+        for group in (self.replicas_group, self.pieces_group):  # together: every rank of the mesh once
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=group)
+        culprit = int(word[0]) - 1
+        if culprit < 0:
+            return
+        text = torch.from_numpy(problem_words(problem if me == culprit else None))
+        for group in (self.replicas_group, self.pieces_group):
+            dist.all_reduce(text, group=group)
+        if problem is not None:
+            raise problem
+        raise rejected_at_construction([culprit], {culprit: text.numpy()})
+
     def broadcast(self, params):
         """Every piece from replica 0 to the other replicas (once, at construction)."""
         src = dist.get_global_rank(self.replicas_group, 0)
@@ -111,7 +149,8 @@ class BackwardWatch:
     call of a backward pass queues a callback at its end (after FSDP2's own, which is queued before
     the first module reduces) that calls ``after()`` (HybridSLAMB's overlapped exchange starts what the
     backward pass left: :meth:`~.overlap.FsdpOverlap.end_of_backward`), sums the notes over the
-    mesh (one float over the replicas, one over the pieces) and poisons the pieces if the sum is not 0."""
+    mesh (one bit per rank, in one float per 31 ranks, over the replicas, then over the pieces) and
+    poisons the pieces if some rank's were not finite; :attr:`ranks` says which."""
 
     def __init__(self, model, sharding, params, after=None):
         modules = [m for m in model.modules() if hasattr(m, "set_all_reduce_hook")]
@@ -120,6 +159,8 @@ class BackwardWatch:
                               "sharded model")
         self.sharding, self.params, self.after = sharding, params, after
         self.bad, self.queued = None, False
+        #: the global ranks whose gradients the last agreement found not finite (the optimizer takes them)
+        self.ranks = []
         self.replica_bytes = 0  # what its agreements sent across the replicas since the last take_bytes()
         for m in modules:
             m.set_all_reduce_hook(self.note)
@@ -148,12 +189,14 @@ class BackwardWatch:
             return
         if self.after is not None:
             self.after()
-        word = self.bad.to(device="cpu", dtype=torch.float64).reshape(1)
+        me, world = dist.get_rank(), dist.get_world_size()
+        word = rank_bits([me], world) * self.bad.to(device="cpu", dtype=torch.float64)  # this rank's bit, if bad
         self.bad = None
         dist.all_reduce(word, group=self.sharding.replicas_group)
         dist.all_reduce(word, group=self.sharding.pieces_group)
         self.replica_bytes += word.numel() * word.element_size()
-        if word.item() > 0:
+        self.ranks = ranks_of_bits(word)
+        if self.ranks:
             with torch.no_grad():
                 for p in self.params:
                     if p.grad is not None:

@@ -13,10 +13,12 @@ methods only.
 
 import torch
 
+from slamb_comm.exchange.communicator import Communicator
 from slamb_comm.exchange.transports import LocalTransport
 
 from ..params import saved_state_by_param
 from ..tensors import state_dtype
+from ..transport import multi_rank_job
 from .bucket import Bucket, BucketKey
 from .ledger import StepLedger
 
@@ -41,19 +43,38 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
     #: the method's name in messages and logs
     what = "optimizer"
+    #: whether an invalid option found by the constructor in a job of several ranks waits (in
+    #: :attr:`problem`) for the construction agreement of the distributed optimizer that wraps this one
+    defers_problems = True
 
     def __init__(self, params, defaults, *, transport=None, names=None, build=True):
-        self.check_group(defaults)
+        #: this rank's invalid option (a ConfigError), kept by the constructor of a distributed optimizer, or of
+        #: one to be wrapped in a job of several ranks: building the buckets raises it, distributed after the
+        #: construction agreement, so that the other ranks raise PeerError naming this rank and the option
+        self.problem = None
+        self._constructing = transport is not None or (self.defers_problems and multi_rank_job())
+        self._check(defaults)
         self._buckets = None  # before torch's constructor calls add_param_group
         self._built = []  # the buckets last built (their state is kept by the next build)
         super().__init__(params, defaults)
+        self._constructing = False
         self.transport = transport
         self.names = names or {}
         self.ledger = StepLedger(self.what)
         #: the parameters (of every group, in order) when the buckets were last built
         self.params_built = []
-        if build:
+        if build and (self.problem is None or transport is not None):  # alone: the problem waits for its first use
             self.rebuild_buckets()
+
+    def _check(self, group):
+        """:meth:`check_group`; during the construction of a distributed optimizer (or of one to be wrapped,
+        in a job of several ranks) its error is kept in :attr:`problem` instead of raised."""
+        try:
+            self.check_group(group)
+        except (ValueError, TypeError) as err:  # ConfigError, DTypeError, a value that is not a number
+            if not self._constructing:
+                raise
+            self.problem = self.problem or err
 
     # ------------------------------------------------------------------ what a configuration provides
     def check_group(self, group):
@@ -82,6 +103,9 @@ class BucketedOptimizer(torch.optim.Optimizer):
         """Whether ``bucket``'s last step, decided on the device, turned out skipped there (its torch
         state is then published again). None decide on the device by default."""
         return False
+
+    def built(self, buckets):
+        """Called when the buckets were (re)built: nothing by default."""
 
     def keeps_buckets(self, buckets, ages):
         """After ``load_state_dict``: whether the loaded groups and step counts (``ages``: parameter ->
@@ -114,7 +138,12 @@ class BucketedOptimizer(torch.optim.Optimizer):
     def rebuild_buckets(self, ages=None):
         """Bucket the trainable parameters by (device, compute dtype, :meth:`knobs`, step count) and
         build each bucket's rule, keeping the state they have (``ages``: parameter -> its step count,
-        by default read from that state). Collective when distributed."""
+        by default read from that state). Collective when distributed: a :attr:`problem` of this rank is raised
+        after the first bucket's construction agreement (its Communicator's), where the others learn of it."""
+        if self.problem is not None:
+            if self.transport is not None:
+                Communicator(self.transport, [], problem=self.problem)  # raises it, the others PeerError
+            raise self.problem
         saved = {p: dict(self.state[p]) for b in self._built for p in b.params}
         if ages is None:
             ages = {p: int(float(st["step"])) for p, st in saved.items()}
@@ -138,12 +167,13 @@ class BucketedOptimizer(torch.optim.Optimizer):
             buckets.append(b)
         self._buckets = self._built = buckets
         self.params_built = [p for g in self.param_groups for p in g["params"]]
+        self.built(buckets)
 
     def add_param_group(self, param_group):
         """Add a parameter group (options default to the constructor's); the buckets are rebuilt,
         keeping the existing state, when next used (collectively when distributed)."""
         super().add_param_group(param_group)
-        self.check_group(self.param_groups[-1])
+        self._check(self.param_groups[-1])
         if self._buckets is not None:
             self._buckets = "stale"
 

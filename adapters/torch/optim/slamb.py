@@ -14,7 +14,7 @@ import torch
 
 from slamb_comm.errors import ConfigError
 from slamb_comm.exchange.communicator import Communicator
-from slamb_comm.methods.slamb import SlambRule
+from slamb_comm.methods.slamb import SlambRule, warn_if_not_sparse
 from slamb_comm.wire.layout import Layout
 
 from ..params import run_closure
@@ -126,6 +126,7 @@ class SLAMB(BucketedOptimizer):
         if fused not in (None, True, False):
             raise ConfigError(f"fused must be None (flat buffers on CUDA only), True or False, got {fused!r}")
         self._fused = fused
+        self._payload_checked = False  # the construction's warning on the expected bytes (built())
         #: FSDP2's pieces (:class:`~slamb_comm.adapters.torch.fsdp.mesh.MeshSharding`), or None
         self.sharding = sharding
         defaults = dict(
@@ -161,11 +162,18 @@ class SLAMB(BucketedOptimizer):
                            weight_decay=[float(g["weight_decay"]) for g in groups], beta3=g0["beta3"],
                            sync_interval=int(g0["sync_interval"]), c_min=g0["c_min"], c_max=g0["c_max"],
                            on_nonfinite=g0["on_nonfinite"], check_options=self.transport is None,
-                           shard_group=None if self.sharding is None else self.sharding.group)
+                           shard_group=None if self.sharding is None else self.sharding.group, warn_payload=False)
         kernels = wants_flat(self._fused, e.params[0].device)
         e.flat = FlatBuffer(e) if kernels and self.sharding is None else None
         # FSDP2's pieces stay where FSDP2 keeps them: the kernels read them through tables of addresses
         e.rule.fused = e.flat is not None or (kernels and self.sharding is not None)
+
+    def built(self, buckets):
+        """Distributed, at the first build: warn once (on rank 0) when the expected bytes per step of all the
+        buckets are not below a dense allreduce's (:func:`slamb_comm.methods.slamb.warn_if_not_sparse`)."""
+        if self.transport is not None and buckets and not self._payload_checked:
+            self._payload_checked = True
+            warn_if_not_sparse([(e.comm, e.rule.sync_interval) for e in buckets], type(self).__name__)
 
     def _layout(self, e, dense_threshold):
         """The fused layout of bucket ``e``: its parameters' shapes, or with FSDP2's parameters
@@ -321,6 +329,8 @@ class LAMB(SLAMB):
     Args: as :class:`SLAMB` without the exchange's options (``ratio``, ``beta3``,
     ``sync_interval``, ``mask``, ``block``, ``value_dtype``, ``dense_threshold``, ``seed``).
     """
+
+    defers_problems = False  # never wrapped by the distributed optimizers: an invalid option raises at once
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, c_min=0.01, c_max=1000.0,
                  on_nonfinite="skip", fused=None):
