@@ -3,7 +3,7 @@ ranks and through the Horovod adapter:
 
     bash scripts/mpirun.sh 2 300 python3 -m pytest -q --with-mpi mpi_tests/test_peer_errors.py
 
-An invalid option on the last rank only raises ConfigError there and PeerError naming that rank and the
+An invalid option on the last rank only (SLAMB's, or a TopK compression's) raises ConfigError there and PeerError naming that rank and the
 option elsewhere; a valid option that differs raises ConfigError on every rank naming it; a NaN on the last
 rank is logged on every rank with that rank; the construction's warning when compression cannot save comes
 once, on rank 0 only; a dtype error on one rank names what it passed and the fix. tests/test_peer_errors.py
@@ -73,6 +73,26 @@ def test_an_invalid_option_on_one_rank_raises_on_every_rank(frontend, option, va
     else:
         chk.raised(err, slamb_comm.PeerError, f"{option}={value} on rank {BAD}", ranks=(BAD,))
         chk(f"rank {BAD}: ConfigError: {option}" in str(err), f"the PeerError names no option: {err}")
+    chk.done()
+
+
+@pytest.mark.parametrize("frontend", ["torch", "horovod"])
+def test_an_invalid_topk_ratio_on_one_rank_raises_on_every_rank(frontend):
+    """slamb_comm.TopK(ratio=2.0) on one rank of a job keeps its error until the distributed optimizer's
+    construction agreement: ConfigError there, PeerError naming it and the option on the others."""
+    if P == 1:
+        pytest.skip("needs two ranks")
+    model = make_model(3)
+    adapter = st if frontend == "torch" else sh
+    comp = slamb_comm.TopK(2.0 if ME == BAD else 0.1)
+    _, err = call(lambda: adapter.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                                       named_parameters=model.named_parameters(), compression=comp))
+    chk = Checks()
+    if ME == BAD:
+        chk.raised(err, slamb_comm.ConfigError, "ratio=2.0 here")
+    else:
+        chk.raised(err, slamb_comm.PeerError, f"ratio=2.0 on rank {BAD}", ranks=(BAD,))
+        chk(f"rank {BAD}: ConfigError: ratio must be in (0, 1], got 2.0" in str(err), f"no option named: {err}")
     chk.done()
 
 

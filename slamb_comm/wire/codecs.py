@@ -12,6 +12,7 @@ communicator strings these together with a transport. The fused layout of the te
 """
 
 import math
+import os
 
 import numpy as np
 
@@ -27,6 +28,7 @@ __all__ = [
     "topk_indices",
     "topk_indices_reference",
     "TopK",
+    "several_ranks",
     "TopKWire",
 ]
 
@@ -167,6 +169,31 @@ def _candidates(xp, x, lo):
     return np.concatenate(cands), np.concatenate(vals)
 
 
+def several_ranks():
+    """Whether this process was launched as one of several ranks of a job: its launcher's world size
+    (torchrun's ``WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_SIZE``, PMI's ``PMI_SIZE``, horovodrun's
+    ``HOROVOD_SIZE``) is above 1. Options objects built there keep an invalid option for the
+    collective that can tell the other ranks (docs/failures.md)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE"):
+        try:
+            if int(os.environ.get(var, "1")) > 1:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _topk_options(ratio, value_dtype, on_nonfinite, dense_threshold):
+    """:class:`TopK`'s options, checked: ConfigError (or DTypeError) naming the first one out of range."""
+    ratio, value_dtype = check_ratio(ratio), _arr.value_dtype(value_dtype).name
+    if on_nonfinite not in ("skip", "raise"):
+        raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+    if dense_threshold is not None and (isinstance(dense_threshold, bool) or int(dense_threshold) != dense_threshold
+                                        or dense_threshold < 0):
+        raise ConfigError(f"dense_threshold must be None or an integer >= 0, got {dense_threshold!r}")
+    return ratio, value_dtype, on_nonfinite, None if dense_threshold is None else int(dense_threshold)
+
+
 class TopK:
     """The top-k codec as an option: ``compression=slamb_comm.TopK(0.01)`` selects sparse top-k
     gradient exchange with error feedback in the adapters.
@@ -193,17 +220,45 @@ class TopK:
     """
 
     def __init__(self, ratio, value_dtype="float32", on_nonfinite="skip", dense_threshold=None):
-        self.ratio = check_ratio(ratio)
-        self.value_dtype = _arr.value_dtype(value_dtype).name
-        if on_nonfinite not in ("skip", "raise"):
-            raise ConfigError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
-        self.on_nonfinite = on_nonfinite
-        if dense_threshold is not None and (isinstance(dense_threshold, bool) or int(dense_threshold) != dense_threshold
-                                            or dense_threshold < 0):
-            raise ConfigError(f"dense_threshold must be None or an integer >= 0, got {dense_threshold!r}")
-        self.dense_threshold = None if dense_threshold is None else int(dense_threshold)
+        #: this rank's invalid option, kept instead of raised when this process is one of several ranks
+        #: (:func:`several_ranks`): the adapter that builds the exchange raises it in its construction
+        #: agreement, where the other ranks raise PeerError naming this rank; reading an option raises it
+        self.problem = None
+        try:
+            self._options = _topk_options(ratio, value_dtype, on_nonfinite, dense_threshold)
+        except (ValueError, TypeError) as err:
+            if not several_ranks():
+                raise
+            self.problem, self._options = err, (1.0, "float32", "skip", None)
+
+    def _option(self, i):
+        if self.problem is not None:
+            raise self.problem
+        return self._options[i]
+
+    @property
+    def ratio(self):
+        """The fraction k in (0, 1] of every tensor that is sent."""
+        return self._option(0)
+
+    @property
+    def value_dtype(self):
+        """The values' dtype on the wire, by name."""
+        return self._option(1)
+
+    @property
+    def on_nonfinite(self):
+        """``'skip'`` or ``'raise'``."""
+        return self._option(2)
+
+    @property
+    def dense_threshold(self):
+        """None, or the always-dense rule's threshold."""
+        return self._option(3)
 
     def __repr__(self):
+        if self.problem is not None:
+            return f"TopK(<invalid: {self.problem}>)"
         return (f"TopK({self.ratio}, value_dtype={self.value_dtype!r}, on_nonfinite={self.on_nonfinite!r}, "
                 f"dense_threshold={self.dense_threshold!r})")
 

@@ -78,6 +78,26 @@ def invalid_option_on_one_rank(option, value):
         check(f"rank {BAD}: ConfigError: {option}" in str(err), f"{option}={value}: no option in the PeerError: {err}")
 
 
+def invalid_topk_on_one_rank():
+    """DDP + topk_hook with TopK(ratio=2.0) on the last rank only: the hook's first exchange agrees on it (its
+    Communicator's construction), so backward() raises on every rank -- ConfigError's text there, PeerError's
+    naming that rank elsewhere (DDP may hand a hook's error on as a RuntimeError with its text)."""
+    m = model(seed=3)
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    ddp.register_comm_hook(st.TopKHookState(m.named_parameters(), slamb_comm.TopK(2.0 if RANK == BAD else 0.1)),
+                           st.topk_hook)
+    err = None
+    try:
+        ddp(torch.randn(16, 8)).square().mean().backward()
+    except Exception as e:  # noqa: BLE001 -- DDP's reducer may re-raise the hook's error as a RuntimeError
+        err = e
+    if RANK == BAD:
+        check("ratio must be in (0, 1], got 2.0" in str(err), f"TopK(2.0) here: {err!r}")
+    else:
+        check(f"rank(s) [{BAD}] rejected their arguments" in str(err) and "got 2.0" in str(err),
+              f"TopK(2.0) on rank {BAD}: {err!r}")
+
+
 def differing_lr():
     """A valid lr that differs on the last rank: ConfigError on every rank at the first step, naming it and lr."""
     m = model()
@@ -156,6 +176,7 @@ def warning_when_compression_cannot_save():
 
 invalid_option_on_one_rank("lr", -1.0)
 invalid_option_on_one_rank("ratio", 2.0)
+invalid_topk_on_one_rank()
 differing_lr()
 ddp_hook = lambda net, opt, m: net.register_comm_hook(st.SlambHookState(opt), st.slamb_hook)  # noqa: E731
 nan_on_one_rank("hooks", lambda net, m: slamb(net, m.named_parameters()))

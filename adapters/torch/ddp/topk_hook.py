@@ -118,6 +118,8 @@ class TopKHookState:
             for k in [k for k in self._comms if set(k[0]) & set(names)]:  # DDP rebuilt its buckets
                 del self._comms[k]
             c = self.compression
+            if c.problem is not None:  # this rank's invalid option: raised in the agreement, PeerError on the others
+                Communicator(TorchTransport(self.process_group), [], problem=c.problem)
             layout = Layout([tuple(p.shape) for p in params], np_dtype(dtype), names=list(names),
                             dense_threshold=c.dense_threshold or 0)
             comm = Communicator(TorchTransport(self.process_group), layout, ratio=c.ratio,

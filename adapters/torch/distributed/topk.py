@@ -70,6 +70,8 @@ class DistributedTopK(DistributedMixin):
         """One fused top-k Communicator per (device, dtype) of ``params`` (collective). Parameters
         that become trainable later get buckets of their own, so no error buffer is remapped."""
         c = self._compression
+        if c.problem is not None:  # this rank's invalid option: raised in the agreement, PeerError on the others
+            Communicator(self._transport, [], problem=c.problem)
         keyed, group_of = {}, {p: g for g in self.param_groups for p in g["params"]}
         for p in params:
             keyed.setdefault(BucketKey(str(p.device), str(state_dtype(p.dtype)), None, 0), []).append(p)

@@ -94,6 +94,7 @@ class HybridTopK(torch.optim.Optimizer):
         named = [(names.get(id(p), f"group{gi}.{pi}"), p) for gi, g in enumerate(optimizer.param_groups)
                  for pi, p in enumerate(g["params"]) if p.requires_grad]
         self._sharding, pieces = mesh_pieces(mesh, named, "HybridTopK", replicate, shard)
+        self._sharding.agree_problem(compression.problem)  # an invalid option on some rank: an error on every rank
         self._sharding.broadcast([p for _, p in named])
         self._params = [p for _, p in named]
         keyed, group_of = {}, {p: g for g in optimizer.param_groups for p in g["params"]}
